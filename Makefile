@@ -1,0 +1,30 @@
+# Two commands a newcomer types:  `make run`  (the main job)  and  `make test`  (the suite).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU wheel on this kind of machine; on a CUDA host set TORCH_SPEC to your build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) -m sampler.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	for f in tests/bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

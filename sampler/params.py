@@ -1,0 +1,223 @@
+"""SamplingParams: the per-request sampling knobs, with vLLM's field names and rules."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import msgspec
+
+from sampler.config import DEFAULT_MAX_LOGPROBS
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed RequestOutput carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # a single output once the request finished
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling parameters of one request (vLLM field names and validation).
+
+    Invalid values raise ``ValueError`` naming the field and its allowed range, both
+    when built in Python and when decoded from the wire.
+    ``top_k`` of 0 or -1 disables top-k; ``temperature`` 0 means greedy.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    thinking_token_budget: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+    #: Token ids of ``bad_words``; filled by :meth:`tokenize_bad_words` (engine side).
+    bad_words_token_ids: list[list[int]] | None = None
+    #: The model's EOS token ids; set by the engine from the tokenizer/generation config.
+    eos_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._validate()
+
+    # -- validation -----------------------------------------------------------------
+
+    def _validate(self) -> None:
+        def bad(field: str, rule: str, value: Any) -> ValueError:
+            return ValueError(f"{field} must be {rule}, got {value!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "an int >= 1", self.n)
+        if not _is_number(self.temperature) or not (
+            math.isfinite(self.temperature) and self.temperature >= 0
+        ):
+            raise bad("temperature", "a finite number >= 0", self.temperature)
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+            raise bad("top_k", "-1 or 0 (disabled) or an int >= 1", self.top_k)
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-2.0 <= value <= 2.0):
+                raise bad(name, "in [-2, 2]", value)
+        if not _is_number(self.repetition_penalty) or not (
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
+        ):
+            raise bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        if self.seed is not None and (
+            not _is_int(self.seed) or not (-(2**63) <= self.seed < 2**64)
+        ):
+            raise bad("seed", "an int in [-2**63, 2**64) or None", self.seed)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an int >= 1 or None", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an int >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not _is_int(value) or not (-1 <= value <= DEFAULT_MAX_LOGPROBS)
+            ):
+                raise bad(name, f"an int in [-1, {DEFAULT_MAX_LOGPROBS}] or None", value)
+        if self.thinking_token_budget is not None and (
+            not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0
+        ):
+            raise bad("thinking_token_budget", "an int >= 0 or None", self.thinking_token_budget)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "a dict of token id -> bias", self.logit_bias)
+            for key, value in self.logit_bias.items():
+                if not _is_int(key) or key < 0:
+                    raise bad("logit_bias", "keyed by int token ids >= 0", key)
+                if not _is_number(value) or not math.isfinite(value):
+                    raise bad("logit_bias", "finite bias values", value)
+        self._validate_token_list("stop_token_ids", self.stop_token_ids)
+        self._validate_token_list("allowed_token_ids", self.allowed_token_ids)
+        self._validate_token_list("eos_token_ids", self.eos_token_ids)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "a non-empty list or None", self.allowed_token_ids)
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(
+                isinstance(s, str) and s for s in self.stop
+            ):
+                raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
+        if self.bad_words is not None and not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise bad("bad_words", "a list of non-blank strings", self.bad_words)
+        if self.bad_words_token_ids is not None:
+            for seq in self.bad_words_token_ids:
+                self._validate_token_list("bad_words_token_ids", seq)
+                if not seq:
+                    raise bad("bad_words_token_ids", "non-empty token sequences", seq)
+
+    @staticmethod
+    def _validate_token_list(field: str, ids: Any) -> None:
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"{field} must be a list of int token ids >= 0, got {ids!r}")
+
+    def verify(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """Checks that need the model: token ids inside the vocabulary, logprob caps.
+
+        Raises ``ValueError`` naming the field.
+        """
+        def check_ids(field: str, ids: Any) -> None:
+            for tok in ids or ():
+                if tok >= vocab_size:
+                    raise ValueError(
+                        f"{field} must hold token ids in [0, {vocab_size}), got {tok}"
+                    )
+
+        check_ids("logit_bias", self.logit_bias)
+        check_ids("allowed_token_ids", self.allowed_token_ids)
+        check_ids("stop_token_ids", self.stop_token_ids)
+        for seq in self.bad_words_token_ids or ():
+            check_ids("bad_words", seq)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None or max_logprobs == -1:
+                continue
+            wanted = vocab_size if value == -1 else value
+            if wanted > max_logprobs:
+                raise ValueError(
+                    f"{name} must be in [-1, {max_logprobs}] (the server's max_logprobs), "
+                    f"got {value}"
+                )
+
+    # -- derived views --------------------------------------------------------------
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that end the request: stop_token_ids plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids or ())
+        return ids
+
+    def tokenize_bad_words(self, tokenizer: Any) -> None:
+        """Fill ``bad_words_token_ids`` the way vLLM does: each word with and without a
+        leading space (when that changes the tokens)."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for variant in (word.strip(), " " + word.strip()):
+                ids = list(tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with some fields changed."""
+        out = msgspec.structs.replace(self, **changes)
+        out._validate()
+        return out
