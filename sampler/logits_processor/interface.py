@@ -1,0 +1,83 @@
+"""The logits-processor contract: BatchUpdate, MoveDirectionality, LogitsProcessor."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sampler.config import SamplerConfig
+    from sampler.params import SamplingParams
+
+
+class MoveDirectionality(Enum):
+    #: row a moves to row b; row a becomes empty, whatever was at b is discarded
+    UNIDIRECTIONAL = auto()
+    #: rows a and b exchange their requests
+    SWAP = auto()
+
+
+#: (row, params, prompt token ids, output token ids). The output list is the
+#: request's live list: processors that keep it see every token appended later.
+AddedRequest = tuple[int, "SamplingParams", "list[int] | None", "list[int]"]
+#: (row a, row b, directionality)
+MovedRequest = tuple[int, int, MoveDirectionality]
+#: the row of a request removed without replacement
+RemovedRequest = int
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    """The changes of the persistent batch in one step.
+
+    Apply in this order: ``removed``, then ``added`` (row indices as they were before
+    any move), then ``moved`` in list order. ``batch_size`` is the number of rows after
+    the whole update.
+    """
+
+    batch_size: int
+    removed: Sequence[RemovedRequest]
+    added: Sequence[AddedRequest]
+    moved: Sequence[MovedRequest]
+
+
+class LogitsProcessor(ABC):
+    """A batch-level logits transformation with per-row state.
+
+    Built as ``Cls(config, device, is_pin_memory)``. ``update_state`` is called before
+    every step (``None`` when the batch did not change); ``apply`` gets the
+    ``[batch_size, vocab_size]`` float32 logits and returns them (in place is fine).
+    """
+
+    @classmethod
+    def validate_params(cls, sampling_params: "SamplingParams") -> None:
+        """Raise ``ValueError`` if a request's params are unusable by this processor.
+
+        Called at submission, before the request is scheduled.
+        """
+        return None
+
+    @abstractmethod
+    def __init__(
+        self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool
+    ) -> None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @abstractmethod
+    def is_argmax_invariant(self) -> bool:
+        """True if this processor never changes a row's argmax (then it may be skipped
+        for an all-greedy batch and is applied after temperature)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        raise NotImplementedError
