@@ -222,27 +222,31 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         self, logits: torch.Tensor, num_draft_tokens: Sequence[int]
     ) -> torch.Tensor:
         """``logits`` holds the draft positions of each row, row after row
-        (``num_draft_tokens[i]`` rows for batch row i). Draft position j of a row has
-        ``len(output) + j`` tokens before it, so the ban holds while that is short of
-        the minimum."""
+        (``num_draft_tokens[i]`` rows for batch row i)."""
+        counts = np.asarray(num_draft_tokens, dtype=np.int64)
+        row_index = np.repeat(np.arange(len(counts)), counts)
+        num_prior = np.concatenate([np.arange(c) for c in counts]) if len(counts) else counts
+        return self.apply_at_positions(logits, row_index, num_prior)
+
+    def apply_at_positions(
+        self, logits: torch.Tensor, row_index: Sequence[int], num_prior: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits row i belongs to batch row ``row_index[i]`` and comes ``num_prior[i]``
+        draft tokens after that row's output, so the ban holds while
+        ``len(output) + num_prior[i] < min_tokens``."""
         if not self.min_toks:
             return logits
-        counts = np.asarray(num_draft_tokens, dtype=np.int64)
-        offsets = np.concatenate(([0], np.cumsum(counts)))
-        rows: list[np.ndarray] = []
-        toks: list[np.ndarray] = []
-        for row, (min_tokens, out, stop_ids) in self.min_toks.items():
-            if row >= len(counts):
-                continue
-            n_masked = int(min(max(min_tokens - len(out), 0), counts[row]))
-            if n_masked:
-                positions = np.arange(offsets[row], offsets[row] + n_masked)
-                rows.append(np.repeat(positions, len(stop_ids)))
-                toks.append(np.tile(np.asarray(stop_ids, dtype=np.int64), n_masked))
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, (row, prior) in enumerate(zip(row_index, num_prior)):
+            entry = self.min_toks.get(int(row))
+            if entry is not None and len(entry[1]) + int(prior) < entry[0]:
+                rows.extend([i] * len(entry[2]))
+                toks.extend(entry[2])
         if rows:
             index = (
-                torch.from_numpy(np.concatenate(rows)).to(logits.device),
-                torch.from_numpy(np.concatenate(toks)).to(logits.device),
+                torch.tensor(rows, dtype=torch.long, device=logits.device),
+                torch.tensor(toks, dtype=torch.long, device=logits.device),
             )
             logits.index_put_(index, self.neg_inf_tensor.to(logits.device))
         return logits

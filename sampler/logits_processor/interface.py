@@ -81,3 +81,12 @@ class LogitsProcessor(ABC):
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         raise NotImplementedError
+
+
+class LogitsProcessorError(RuntimeError):
+    """A processor raised while applying; names it so the worker can fail the affected
+    requests and keep serving."""
+
+    def __init__(self, processor: object, cause: BaseException) -> None:
+        self.processor_name = type(processor).__qualname__
+        super().__init__(f"logits processor {self.processor_name} failed: {cause!r}")

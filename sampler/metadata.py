@@ -1,0 +1,193 @@
+"""SamplingMetadata: one batch's sampling parameters as tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sampler.config import SamplerConfig
+from sampler.logits_processor.interface import BatchUpdate
+from sampler.logits_processor.loading import build_logitsprocs
+from sampler.logits_processor.state import LogitsProcessors
+from sampler.params import SamplingParams, SamplingType
+from sampler.thinking_budget import ThinkingBudgetStateHolder
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler needs about a batch of ``num_rows`` rows.
+
+    Optional tensors are None when no row uses the feature, so the sampler can skip it.
+    ``output_token_ids`` are the rows' live output lists (the same lists the logits
+    processors hold). With ``spec_token_ids`` set, the logits given to the sampler are
+    at the bonus position: after each row's output plus all of its drafts.
+    """
+
+    num_rows: int
+    vocab_size: int
+    temperature: torch.Tensor  # [rows] float32; greedy rows hold 1.0
+    greedy_mask: torch.Tensor  # [rows] bool
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [rows] int64; vocab_size where disabled
+    top_p: torch.Tensor | None  # [rows] float32; 1.0 where disabled
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None  # None: no row wants logprobs; else the widest k
+    num_logprobs: list[int | None]  # per row (-1 resolved to the vocabulary size)
+    no_penalties: bool
+    repetition_penalties: torch.Tensor  # [rows]
+    frequency_penalties: torch.Tensor  # [rows]
+    presence_penalties: torch.Tensor  # [rows]
+    prompt_token_mask: torch.Tensor | None  # [rows, vocab] bool; for repetition penalty
+    output_token_ids: list[list[int]]
+    allowed_token_ids_mask: torch.Tensor | None  # [rows, vocab] bool, True = banned
+    bad_words_token_ids: dict[int, list[list[int]]]
+    logitsprocs: LogitsProcessors = field(default_factory=LogitsProcessors)
+    thinking_budget: ThinkingBudgetStateHolder | None = None
+    spec_token_ids: list[list[int]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.temperature.device
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[list[int]],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        generators: dict[int, torch.Generator] | None = None,
+        logitsprocs: LogitsProcessors | None = None,
+        thinking_budget: ThinkingBudgetStateHolder | None = None,
+        spec_token_ids: list[list[int]] | None = None,
+        config: SamplerConfig | None = None,
+    ) -> "SamplingMetadata":
+        """Builds a batch's metadata from per-row requests (one entry per row).
+
+        Seeded rows get a generator seeded with their seed unless ``generators`` already
+        holds one for the row (pass the previous step's to continue a stream). Unless
+        ``logitsprocs`` is given, the built-in processors (plus entry-point and
+        configured ones) are built and told about every row, and ``thinking_budget``
+        (if given) is synced the same way.
+        """
+        n = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == n):
+            raise ValueError("params, prompt_token_ids and output_token_ids need one entry per row")
+        device = torch.device(device)
+        config = config or SamplerConfig(vocab_size=vocab_size, max_num_seqs=max(n, 1))
+        for p in params:
+            p.verify(vocab_size, config.max_logprobs)
+            if p.bad_words and p.bad_words_token_ids is None:
+                raise ValueError(
+                    "bad_words needs bad_words_token_ids: call params.tokenize_bad_words(tokenizer)"
+                )
+        outputs = [o if isinstance(o, list) else list(o) for o in output_token_ids]
+        if logitsprocs is None:
+            logitsprocs = build_logitsprocs(config, device)
+            update = BatchUpdate(
+                batch_size=n,
+                removed=[],
+                added=[(i, p, list(prompt_token_ids[i]), outputs[i]) for i, p in enumerate(params)],
+                moved=[],
+            )
+            logitsprocs.update_state(update)
+            if thinking_budget is not None:
+                thinking_budget.sync_batch(update)
+        gens = dict(generators or {})
+        for i, p in enumerate(params):
+            if p.sampling_type == SamplingType.RANDOM_SEED and i not in gens:
+                g = torch.Generator(device=device)
+                g.manual_seed(p.seed)
+                gens[i] = g
+        return cls.build(
+            params, prompt_token_ids, outputs, vocab_size, device,
+            generators=gens, logitsprocs=logitsprocs,
+            thinking_budget=thinking_budget, spec_token_ids=spec_token_ids,
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+        *,
+        generators: dict[int, torch.Generator],
+        logitsprocs: LogitsProcessors,
+        thinking_budget: ThinkingBudgetStateHolder | None,
+        spec_token_ids: list[list[int]] | None,
+    ) -> "SamplingMetadata":
+        """The tensors for already-validated rows (the worker's incremental batch uses
+        the same layout)."""
+        n = len(params)
+        greedy = np.fromiter((p.sampling_type == SamplingType.GREEDY for p in params), bool, n)
+        temps = np.fromiter((p.temperature for p in params), np.float32, n)
+        temps[greedy] = 1.0
+        top_k = np.fromiter(
+            (vocab_size if (g or p.top_k in (0, -1)) else min(p.top_k, vocab_size)
+             for p, g in zip(params, greedy)), np.int64, n,
+        )
+        top_p = np.fromiter(
+            (1.0 if g else p.top_p for p, g in zip(params, greedy)), np.float32, n
+        )
+        rep = np.fromiter((p.repetition_penalty for p in params), np.float32, n)
+        freq = np.fromiter((p.frequency_penalty for p in params), np.float32, n)
+        pres = np.fromiter((p.presence_penalty for p in params), np.float32, n)
+        no_penalties = bool((rep == 1.0).all() and (freq == 0).all() and (pres == 0).all())
+
+        prompt_mask = None
+        if not no_penalties and (rep != 1.0).any():
+            prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool)
+            for i, ids in enumerate(prompt_token_ids):
+                if rep[i] != 1.0 and len(ids):
+                    prompt_mask[i, torch.as_tensor(list(ids), dtype=torch.long)] = True
+            prompt_mask = prompt_mask.to(device)
+
+        allowed_mask = None
+        if any(p.allowed_token_ids for p in params):
+            allowed_mask = torch.zeros(n, vocab_size, dtype=torch.bool)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids:
+                    allowed_mask[i] = True
+                    allowed_mask[i, torch.as_tensor(p.allowed_token_ids, dtype=torch.long)] = False
+            allowed_mask = allowed_mask.to(device)
+
+        num_logprobs = [
+            None if p.logprobs is None else (vocab_size if p.logprobs == -1 else p.logprobs)
+            for p in params
+        ]
+        wanted = [k for k in num_logprobs if k is not None]
+        return cls(
+            num_rows=n,
+            vocab_size=vocab_size,
+            temperature=torch.from_numpy(temps).to(device),
+            greedy_mask=torch.from_numpy(greedy).to(device),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=torch.from_numpy(top_k).to(device) if (top_k < vocab_size).any() else None,
+            top_p=torch.from_numpy(top_p).to(device) if (top_p < 1.0).any() else None,
+            generators=generators,
+            max_num_logprobs=max(wanted) if wanted else None,
+            num_logprobs=num_logprobs,
+            no_penalties=no_penalties,
+            repetition_penalties=torch.from_numpy(rep).to(device),
+            frequency_penalties=torch.from_numpy(freq).to(device),
+            presence_penalties=torch.from_numpy(pres).to(device),
+            prompt_token_mask=prompt_mask,
+            output_token_ids=output_token_ids,
+            allowed_token_ids_mask=allowed_mask,
+            bad_words_token_ids={
+                i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids
+            },
+            logitsprocs=logitsprocs,
+            thinking_budget=thinking_budget,
+            spec_token_ids=spec_token_ids,
+        )

@@ -1,0 +1,1 @@
+"""Tensor kernels used by the sampler; each works on a whole batch at once."""

@@ -1,0 +1,275 @@
+"""The Sampler: logits in, one token per row (and its logprobs) out.
+
+``Sampler.forward`` is the order of operations, top to bottom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sampler.config import LogprobsMode, SamplerConfig
+from sampler.logits_processor.interface import LogitsProcessor, LogitsProcessorError
+from sampler.metadata import SamplingMetadata
+from sampler.ops.bad_words import apply_bad_words
+from sampler.ops.penalties import apply_penalties, token_counts
+from sampler.ops.topk_topp import (
+    Candidates,
+    inverse_cdf_sample,
+    scatter_candidates,
+    truncate_top_k_top_p,
+)
+
+
+@dataclass
+class LogprobsTensors:
+    """Per row: the sampled token first, then the top-k (``[rows, k + 1]``), and the
+    sampled token's rank (the number of tokens with logprob >= its own)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprobs_tensors: LogprobsTensors | None = None
+
+
+@dataclass
+class Positions:
+    """Logits rows that are not one-per-batch-row: row ``i`` belongs to batch row
+    ``row_index[i]`` and follows that row's output plus the draft tokens
+    ``prefixes[i]`` (speculative decoding)."""
+
+    row_index: np.ndarray
+    prefixes: list[list[int]]
+
+    @classmethod
+    def bonus(cls, spec_token_ids: Sequence[Sequence[int]], num_rows: int) -> "Positions":
+        prefixes = [list(spec_token_ids[i]) if i < len(spec_token_ids) else [] for i in range(num_rows)]
+        return cls(np.arange(num_rows), prefixes)
+
+    @classmethod
+    def drafts(cls, draft_token_ids: Sequence[Sequence[int]]) -> "Positions":
+        rows: list[int] = []
+        prefixes: list[list[int]] = []
+        for row, drafts in enumerate(draft_token_ids):
+            for j in range(len(drafts)):
+                rows.append(row)
+                prefixes.append(list(drafts[:j]))
+        return cls(np.asarray(rows, dtype=np.int64), prefixes)
+
+    def past_tokens(self, outputs: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [list(outputs[r]) + p for r, p in zip(self.row_index.tolist(), self.prefixes)]
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+class Sampler:
+    """Samples one token per row with vLLM V1 semantics.
+
+    Usable standalone: ``Sampler(config)(logits, SamplingMetadata.from_requests(...))``.
+    """
+
+    def __init__(
+        self, config: SamplerConfig | None = None, logprobs_mode: LogprobsMode | None = None
+    ) -> None:
+        self.config = config
+        self.logprobs_mode: LogprobsMode = logprobs_mode or (
+            config.logprobs_mode if config is not None else "raw_logprobs"
+        )
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, metadata)
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        positions = Positions.bonus(md.spec_token_ids, md.num_rows) if md.spec_token_ids else None
+        # 1. float32 logits (a copy: the caller's tensor is left alone).
+        logits = logits.to(torch.float32, copy=True)
+        # 2. raw logprobs / logits, before anything touches them.
+        raw = None
+        if md.max_num_logprobs is not None and self.logprobs_mode.startswith("raw"):
+            raw = compute_logprobs(logits) if self.logprobs_mode == "raw_logprobs" else logits.clone()
+        # 3-7. allowed tokens, bad words, non-argmax-invariant processors, penalties,
+        #      thinking-budget forcing.
+        logits = self.apply_constraints(logits, md, positions)
+        # 8. greedy rows take the argmax of the constrained logits.
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            sampled = greedy
+        else:
+            # 9. temperature; 10. argmax-invariant processors (min-p); 11. top-k, top-p.
+            logits = self.apply_temperature(logits, md.temperature, positions)
+            logits = apply_processors(md.logitsprocs.argmax_invariant, logits, md, positions)
+            groups = truncate_top_k_top_p(logits, md.top_k, md.top_p)
+            # 12. sample (seeded rows with their own generator); greedy rows keep argmax.
+            sampled = self.sample_random(logits, groups, md)
+            if greedy is not None:
+                sampled = torch.where(md.greedy_mask, greedy, sampled)
+            if md.max_num_logprobs is not None and raw is None and groups:
+                logits = scatter_candidates(logits, groups)
+        logprobs_tensors = None
+        if md.max_num_logprobs is not None:
+            if raw is None:
+                raw = compute_logprobs(logits) if self.logprobs_mode == "processed_logprobs" else logits
+            logprobs_tensors = gather_logprobs(raw, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+    # -- the steps --------------------------------------------------------------------
+
+    def apply_constraints(
+        self, logits: torch.Tensor, md: SamplingMetadata, positions: Positions | None
+    ) -> torch.Tensor:
+        """Everything that may change the argmax, in order: allowed_token_ids, bad words,
+        non-argmax-invariant processors, penalties, thinking-budget forcing."""
+        rows = None if positions is None else torch.from_numpy(positions.row_index).to(logits.device)
+        past = None
+        if positions is not None and (md.bad_words_token_ids or not md.no_penalties):
+            past = positions.past_tokens(md.output_token_ids)
+        if md.allowed_token_ids_mask is not None:
+            mask = md.allowed_token_ids_mask if rows is None else md.allowed_token_ids_mask[rows]
+            logits.masked_fill_(mask, float("-inf"))
+        if md.bad_words_token_ids:
+            if positions is None:
+                apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
+            else:
+                per_row = {
+                    i: md.bad_words_token_ids[r]
+                    for i, r in enumerate(positions.row_index.tolist())
+                    if r in md.bad_words_token_ids
+                }
+                apply_bad_words(logits, per_row, past)
+        logits = apply_processors(md.logitsprocs.non_argmax_invariant, logits, md, positions)
+        if not md.no_penalties:
+            counts = token_counts(past if past is not None else md.output_token_ids,
+                                  logits.shape[1], logits.device)
+            pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+            prompt_mask = None if md.prompt_token_mask is None else pick(md.prompt_token_mask)
+            apply_penalties(
+                logits, prompt_mask, counts,
+                pick(md.repetition_penalties), pick(md.frequency_penalties),
+                pick(md.presence_penalties),
+            )
+        if md.thinking_budget is not None and md.thinking_budget.has_tracked_requests():
+            if positions is None:
+                md.thinking_budget.apply_at_positions(logits, range(logits.shape[0]))
+            else:
+                md.thinking_budget.apply_at_positions(
+                    logits, positions.row_index.tolist(), positions.prefixes
+                )
+        return logits
+
+    @staticmethod
+    def apply_temperature(
+        logits: torch.Tensor, temperature: torch.Tensor, positions: Positions | None
+    ) -> torch.Tensor:
+        if positions is not None:
+            temperature = temperature[torch.from_numpy(positions.row_index).to(logits.device)]
+        return logits.div_(temperature.unsqueeze(1))
+
+    @staticmethod
+    def sample_random(
+        logits: torch.Tensor, groups: list[Candidates], md: SamplingMetadata
+    ) -> torch.Tensor:
+        """Inverse-CDF sampling of every row; truncated rows sample their candidates."""
+        uniforms = draw_uniforms(logits.shape[0], md.generators, logits.device)
+        sampled = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        free = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        for g in groups:
+            picked = inverse_cdf_sample(g.logits, uniforms[g.rows])
+            sampled[g.rows] = g.token_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+            free[g.rows] = False
+        free_rows = free.nonzero().squeeze(1)
+        if free_rows.numel():
+            if free_rows.numel() == logits.shape[0]:
+                sampled = inverse_cdf_sample(logits, uniforms)
+            else:
+                sampled[free_rows] = inverse_cdf_sample(logits[free_rows], uniforms[free_rows])
+        return sampled
+
+
+def draw_uniforms(
+    n: int, generators: dict[int, torch.Generator], device: torch.device, per_row: int = 1
+) -> torch.Tensor:
+    """``[n]`` (or ``[n, per_row]``) uniforms in [0, 1): seeded rows draw from their own
+    generator, the others from the global one."""
+    shape = (n,) if per_row == 1 else (n, per_row)
+    uniforms = torch.rand(shape, device=device)
+    for row, gen in generators.items():
+        if row < n:
+            uniforms[row] = torch.rand(per_row, generator=gen, device=device).reshape(
+                uniforms[row].shape
+            )
+    return uniforms
+
+
+def apply_processors(
+    processors: Iterable[LogitsProcessor],
+    logits: torch.Tensor,
+    md: SamplingMetadata,
+    positions: Positions | None,
+) -> torch.Tensor:
+    """Runs processors on one-row-per-batch-row logits, or, for speculative positions,
+    once per draft depth on a batch-shaped view whose output lists are temporarily
+    extended with the draft prefix (so processors see the tokens before the position)."""
+    for proc in processors:
+        try:
+            if positions is None:
+                logits = proc.apply(logits)
+            elif hasattr(proc, "apply_at_positions"):
+                num_prior = np.fromiter((len(p) for p in positions.prefixes), np.int64)
+                logits = proc.apply_at_positions(logits, positions.row_index, num_prior)
+            else:
+                logits = _apply_by_depth(proc, logits, md, positions)
+        except LogitsProcessorError:
+            raise
+        except Exception as exc:
+            raise LogitsProcessorError(proc, exc) from exc
+    return logits
+
+
+def _apply_by_depth(
+    proc: LogitsProcessor, logits: torch.Tensor, md: SamplingMetadata, positions: Positions
+) -> torch.Tensor:
+    depth = np.fromiter((len(p) for p in positions.prefixes), np.int64, len(positions.prefixes))
+    for d in np.unique(depth).tolist():
+        sel = np.flatnonzero(depth == d)
+        batch_rows = positions.row_index[sel]
+        sel_t = torch.from_numpy(sel).to(logits.device)
+        rows_t = torch.from_numpy(batch_rows).to(logits.device)
+        view = torch.zeros(md.num_rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
+        view[rows_t] = logits[sel_t]
+        extended = []
+        for i, r in zip(sel.tolist(), batch_rows.tolist()):
+            if positions.prefixes[i]:
+                md.output_token_ids[r].extend(positions.prefixes[i])
+                extended.append((r, len(positions.prefixes[i])))
+        try:
+            view = proc.apply(view)
+        finally:
+            for r, n in extended:
+                del md.output_token_ids[r][-n:]
+        logits[sel_t] = view[rows_t]
+    return logits
+
+
+def gather_logprobs(source: torch.Tensor, k: int, sampled: torch.Tensor) -> LogprobsTensors:
+    """The sampled token's value and rank, then the top-``k`` values, per row."""
+    sampled = sampled.long()
+    sampled_values = source.gather(1, sampled.unsqueeze(1))
+    ranks = (source >= sampled_values).sum(dim=-1)
+    top_values, top_ids = source.topk(k, dim=-1) if k > 0 else (
+        source.new_empty(source.shape[0], 0), sampled.new_empty(source.shape[0], 0)
+    )
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
+        logprobs=torch.cat([sampled_values, top_values], dim=1),
+        ranks=ranks,
+    )
