@@ -38,10 +38,10 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None: no row wants logprobs; else the widest k
     num_logprobs: list[int | None]  # per row (-1 resolved to the vocabulary size)
     no_penalties: bool
-    repetition_penalties: torch.Tensor  # [rows]
-    frequency_penalties: torch.Tensor  # [rows]
-    presence_penalties: torch.Tensor  # [rows]
-    prompt_token_mask: torch.Tensor | None  # [rows, vocab] bool; for repetition penalty
+    repetition_penalties: np.ndarray  # [rows] float32 (host side: penalties are sparse)
+    frequency_penalties: np.ndarray  # [rows]
+    presence_penalties: np.ndarray  # [rows]
+    prompt_token_ids: list[Sequence[int]] | None  # kept when a row has repetition penalty
     output_token_ids: list[list[int]]
     allowed_token_ids_mask: torch.Tensor | None  # [rows, vocab] bool, True = banned
     bad_words_token_ids: dict[int, list[list[int]]]
@@ -143,14 +143,6 @@ class SamplingMetadata:
         pres = np.fromiter((p.presence_penalty for p in params), np.float32, n)
         no_penalties = bool((rep == 1.0).all() and (freq == 0).all() and (pres == 0).all())
 
-        prompt_mask = None
-        if not no_penalties and (rep != 1.0).any():
-            prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool)
-            for i, ids in enumerate(prompt_token_ids):
-                if rep[i] != 1.0 and len(ids):
-                    prompt_mask[i, torch.as_tensor(list(ids), dtype=torch.long)] = True
-            prompt_mask = prompt_mask.to(device)
-
         allowed_mask = None
         if any(p.allowed_token_ids for p in params):
             allowed_mask = torch.zeros(n, vocab_size, dtype=torch.bool)
@@ -178,10 +170,10 @@ class SamplingMetadata:
             max_num_logprobs=max(wanted) if wanted else None,
             num_logprobs=num_logprobs,
             no_penalties=no_penalties,
-            repetition_penalties=torch.from_numpy(rep).to(device),
-            frequency_penalties=torch.from_numpy(freq).to(device),
-            presence_penalties=torch.from_numpy(pres).to(device),
-            prompt_token_mask=prompt_mask,
+            repetition_penalties=rep,
+            frequency_penalties=freq,
+            presence_penalties=pres,
+            prompt_token_ids=list(prompt_token_ids) if (rep != 1.0).any() else None,
             output_token_ids=output_token_ids,
             allowed_token_ids_mask=allowed_mask,
             bad_words_token_ids={

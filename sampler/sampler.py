@@ -15,7 +15,7 @@ from sampler.config import LogprobsMode, SamplerConfig
 from sampler.logits_processor.interface import LogitsProcessor, LogitsProcessorError
 from sampler.metadata import SamplingMetadata
 from sampler.ops.bad_words import apply_bad_words
-from sampler.ops.penalties import apply_penalties, token_counts
+from sampler.ops.penalties import apply_penalties
 from sampler.ops.topk_topp import (
     Candidates,
     inverse_cdf_sample,
@@ -79,9 +79,16 @@ class Sampler:
     """
 
     def __init__(
-        self, config: SamplerConfig | None = None, logprobs_mode: LogprobsMode | None = None
+        self,
+        config: SamplerConfig | None = None,
+        logprobs_mode: LogprobsMode | None = None,
+        *,
+        in_place: bool = False,
     ) -> None:
+        """``in_place=True`` lets the sampler edit float32 logits it is given instead of
+        copying them first (the worker's setting: its logits are not reused)."""
         self.config = config
+        self.in_place = in_place
         self.logprobs_mode: LogprobsMode = logprobs_mode or (
             config.logprobs_mode if config is not None else "raw_logprobs"
         )
@@ -91,8 +98,8 @@ class Sampler:
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         positions = Positions.bonus(md.spec_token_ids, md.num_rows) if md.spec_token_ids else None
-        # 1. float32 logits (a copy: the caller's tensor is left alone).
-        logits = logits.to(torch.float32, copy=True)
+        # 1. float32 logits (a copy unless in_place: the caller's tensor is left alone).
+        logits = logits.to(torch.float32, copy=not self.in_place)
         # 2. raw logprobs / logits, before anything touches them.
         raw = None
         if md.max_num_logprobs is not None and self.logprobs_mode.startswith("raw"):
@@ -148,15 +155,20 @@ class Sampler:
                 apply_bad_words(logits, per_row, past)
         logits = apply_processors(md.logitsprocs.non_argmax_invariant, logits, md, positions)
         if not md.no_penalties:
-            counts = token_counts(past if past is not None else md.output_token_ids,
-                                  logits.shape[1], logits.device)
-            pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-            prompt_mask = None if md.prompt_token_mask is None else pick(md.prompt_token_mask)
-            apply_penalties(
-                logits, prompt_mask, counts,
-                pick(md.repetition_penalties), pick(md.frequency_penalties),
-                pick(md.presence_penalties),
-            )
+            if positions is None:
+                apply_penalties(
+                    logits, md.prompt_token_ids, md.output_token_ids,
+                    md.repetition_penalties, md.frequency_penalties, md.presence_penalties,
+                )
+            else:
+                at = positions.row_index
+                prompts = None if md.prompt_token_ids is None else [
+                    md.prompt_token_ids[r] for r in at.tolist()
+                ]
+                apply_penalties(
+                    logits, prompts, past, md.repetition_penalties[at],
+                    md.frequency_penalties[at], md.presence_penalties[at],
+                )
         if md.thinking_budget is not None and md.thinking_budget.has_tracked_requests():
             if positions is None:
                 md.thinking_budget.apply_at_positions(logits, range(logits.shape[0]))

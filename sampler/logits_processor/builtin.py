@@ -121,9 +121,19 @@ class MinPLogitsProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.min_p_count:
             return logits
-        probs = torch.softmax(logits, dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True).mul_(self.min_p)
-        logits.masked_fill_(probs < threshold, float("-inf"))
+        if self.min_p_count * 2 > logits.shape[0]:
+            return self._mask(logits, self.min_p)
+        # Few rows use min-p: work on those rows only.
+        rows = self.min_p[:, 0].nonzero().squeeze(1)
+        logits[rows] = self._mask(logits[rows], self.min_p[rows])
+        return logits
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        """Masks tokens below ``min_p`` times the top probability. Compared in log space:
+        ``p_i < min_p * p_max`` is ``logit_i < logit_max + log(min_p)``."""
+        top = logits.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(logits < top + min_p.log(), float("-inf"))
         return logits
 
 

@@ -1,0 +1,121 @@
+"""Logits processors (and non-processors) used by tests/test_logits_processor_framework.py.
+
+Loaded by "module:Qualname" strings and fake entry points, so it has to be an importable
+module of its own (not a test file).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sampler.logits_processor import AdapterLogitsProcessor, LogitsProcessor
+
+#: (class name, params) of every validate_params call, in order.
+VALIDATE_CALLS: list[tuple[str, object]] = []
+
+
+class RecordingProc(LogitsProcessor):
+    """Non-argmax-invariant; remembers how it was built and every update it got."""
+
+    def __init__(self, config, device, is_pin_memory):
+        self.config = config
+        self.device = device
+        self.is_pin_memory = is_pin_memory
+        self.updates: list = []
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        VALIDATE_CALLS.append((cls.__name__, sampling_params))
+        extra = sampling_params.extra_args or {}
+        if extra.get("reject_me"):
+            raise ValueError("RecordingProc: reject_me is set")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update) -> None:
+        self.updates.append(batch_update)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class InvariantProc(LogitsProcessor):
+    """Argmax-invariant no-op."""
+
+    def __init__(self, config, device, is_pin_memory):
+        pass
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        VALIDATE_CALLS.append((cls.__name__, sampling_params))
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class Outer:
+    """Holds a nested processor class, to load through a dotted qualname."""
+
+    class Inner(InvariantProc):
+        pass
+
+
+class NotAProcessor:
+    """A class, but not a LogitsProcessor subclass."""
+
+    def __init__(self, *args):
+        pass
+
+
+NOT_A_CLASS = 42
+
+
+def not_a_class_function(*args):
+    return None
+
+
+class BanLastTokenAdapter(AdapterLogitsProcessor):
+    """Per-request: (output_ids, logits_row) -> bans the last output token in place.
+
+    Used for requests whose extra_args has "ban_last"; others get None (untouched).
+    """
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params):
+        if not (params.extra_args or {}).get("ban_last"):
+            return None
+
+        def ban_last(output_ids, logits_row):
+            if output_ids:
+                logits_row[output_ids[-1]] = float("-inf")
+            return logits_row
+
+        return ban_last
+
+
+class PromptAwareAdapter(AdapterLogitsProcessor):
+    """Per-request: (prompt_ids, output_ids, logits_row) -> a NEW row where the first
+    prompt token's logit is set to 100 + len(output_ids)."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params):
+        if not (params.extra_args or {}).get("prompt_aware"):
+            return None
+
+        def mark(prompt_ids, output_ids, logits_row):
+            out = logits_row.clone()
+            out[prompt_ids[0]] = 100.0 + len(output_ids)
+            return out
+
+        return mark
