@@ -58,17 +58,19 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition]):
         ranks: Iterable[int | None],
         decoded_tokens: Iterable[str | None],
     ) -> None:
-        """Appends one position from parallel iterables, without building a dict."""
-        start = len(self.logprobs)
-        self.token_ids.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        self.ranks.extend(ranks)
-        self.decoded_tokens.extend(decoded_tokens)
-        n = len(self.logprobs)
-        if not (len(self.token_ids) == len(self.ranks) == len(self.decoded_tokens) == n):
-            raise ValueError("append_fast needs iterables of equal length")
-        self.start_indices.append(start)
-        self.end_indices.append(n)
+        """Appends one position from parallel iterables, without building a dict.
+
+        Like ``zip``, it stops at the shortest iterable (``decoded_tokens`` may be
+        ``itertools.repeat(None)``)."""
+        entries = list(zip(token_ids, logprobs, ranks, decoded_tokens))
+        self.start_indices.append(len(self.logprobs))
+        if entries:
+            toks, lps, rks, texts = zip(*entries)
+            self.token_ids.extend(toks)
+            self.logprobs.extend(lps)
+            self.ranks.extend(rks)
+            self.decoded_tokens.extend(texts)
+        self.end_indices.append(len(self.logprobs))
 
     def extend_arrays(
         self,
@@ -84,7 +86,18 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition]):
         ``decoded_tokens`` is the flat row-major list of texts, or None.
         """
         token_ids = np.asarray(token_ids)
+        logprobs = np.asarray(logprobs, dtype=np.float64)
+        sampled_ranks = np.asarray(sampled_ranks)
+        if token_ids.ndim != 2 or logprobs.shape != token_ids.shape:
+            raise ValueError(
+                f"token_ids and logprobs must both be [positions, k + 1], got "
+                f"{token_ids.shape} and {logprobs.shape}"
+            )
         positions, width = token_ids.shape
+        if sampled_ranks.shape != (positions,):
+            raise ValueError(f"sampled_ranks must be [{positions}], got {sampled_ranks.shape}")
+        if decoded_tokens is not None and len(decoded_tokens) != positions * width:
+            raise ValueError("decoded_tokens must hold one text per entry")
         if positions == 0:
             return
         start = len(self.logprobs)
@@ -92,13 +105,11 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition]):
         ranks[:, 0] = sampled_ranks
         ranks[:, 1:] = np.arange(1, width, dtype=np.int64)
         self.token_ids.extend(token_ids.reshape(-1).tolist())
-        self.logprobs.extend(np.asarray(logprobs, dtype=np.float64).reshape(-1).tolist())
+        self.logprobs.extend(logprobs.reshape(-1).tolist())
         self.ranks.extend(ranks.reshape(-1).tolist())
         if decoded_tokens is None:
             self.decoded_tokens.extend(itertools.repeat(None, positions * width))
         else:
-            if len(decoded_tokens) != positions * width:
-                raise ValueError("decoded_tokens must hold one text per entry")
             self.decoded_tokens.extend(decoded_tokens)
         self.start_indices.extend(range(start, start + positions * width, width))
         self.end_indices.extend(range(start + width, start + (positions + 1) * width, width))
@@ -119,6 +130,8 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition]):
             self.extend_arrays(values, logprobs, sampled_ranks, decoded_tokens)
             return
         if isinstance(values, FlatLogprobs):
+            if values is self:
+                values = self[:]
             offset = len(self.logprobs) - (values.start_indices[0] if values.start_indices else 0)
             self.start_indices.extend(i + offset for i in values.start_indices)
             self.end_indices.extend(i + offset for i in values.end_indices)

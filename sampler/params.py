@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from typing import Any
@@ -217,7 +218,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.bad_words_token_ids = seqs
 
     def clone(self, **changes: Any) -> "SamplingParams":
-        """A validated copy with some fields changed."""
-        out = msgspec.structs.replace(self, **changes)
+        """A validated deep copy (no list or dict shared) with some fields changed."""
+        out = msgspec.structs.replace(copy.deepcopy(self), **changes)
         out._validate()
         return out

@@ -21,7 +21,7 @@ import torch
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.ops.topk_topp import inverse_cdf_sample, scatter_candidates, truncate_top_k_top_p
-from sampler.sampler import Positions, Sampler, apply_processors, draw_uniforms
+from sampler.sampler import Positions, Sampler, apply_processors
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -140,12 +140,18 @@ class RejectionSampler:
     def _uniforms(
         counts: list[int], md: SamplingMetadata, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two uniforms per draft position (accept, recover); a seeded row draws its
-        ``2 * k`` numbers from its own generator."""
-        width = max(counts, default=0)
-        grid = draw_uniforms(len(counts), md.generators, device, per_row=2 * width)
-        if grid.dim() == 1:
-            grid = grid.unsqueeze(1)
-        accept = torch.cat([grid[i, :c] for i, c in enumerate(counts) if c])
-        recover = torch.cat([grid[i, width : width + c] for i, c in enumerate(counts) if c])
+        """Two uniforms per draft position (accept, recover). A seeded row with ``k``
+        drafts draws exactly ``2 * k`` numbers from its own generator, so its result
+        does not depend on the rest of the batch."""
+        total = sum(counts)
+        accept = torch.rand(total, device=device)
+        recover = torch.rand(total, device=device)
+        start = 0
+        for row, c in enumerate(counts):
+            gen = md.generators.get(row)
+            if gen is not None and c:
+                drawn = torch.rand(2 * c, generator=gen, device=device)
+                accept[start : start + c] = drawn[:c]
+                recover[start : start + c] = drawn[c:]
+            start += c
         return accept, recover

@@ -39,6 +39,8 @@ def _truncate(
     vocab = row_logits.shape[1]
     vals, ids = row_logits.topk(width, dim=-1, sorted=True)
     kth = vals.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+    # A tie at the k-th value may continue past the candidates: then go wider.
+    ties_cut = (vals[:, -1:] >= kth).squeeze(1) & (width < vocab)
     vals = vals.masked_fill(vals < kth, float("-inf"))
     # Mass of each candidate: within the top-k set when the row has top-k, else within
     # the whole vocabulary (so that we can tell whether the candidates cover p).
@@ -46,7 +48,7 @@ def _truncate(
     norm = torch.where(has_k, torch.logsumexp(vals, dim=-1), lse).unsqueeze(1)
     probs = (vals - norm).exp()
     cum = probs.cumsum(dim=-1)
-    covered = has_k | (cum[:, -1] >= p) | (width >= vocab)
+    covered = ((has_k | (cum[:, -1] >= p)) & ~ties_cut) | (width >= vocab)
     drop = (cum - probs) >= p.unsqueeze(1)
     drop[:, 0] = False
     return ids, vals.masked_fill(drop, float("-inf")), covered
