@@ -436,10 +436,9 @@ def test_persistent_batch_simulation(seed, pop_in_condense):
             raise AssertionError(f"step {step}: {exc}") from exc
     s = sim.stats
     # the run exercised what it is meant to
-    assert s["none"] > 10 and s["moves"] > 10 and s["swaps"] > 10
-    assert s["added"] > 50 and s["forced"] > 20
-    if not pop_in_condense:
-        assert s["removed"] > 20
+    assert s["none"] > 40 and s["moves"] > 50 and s["swaps"] > 80
+    assert s["added"] > 150 and s["forced"] > 150
+    assert s["removed"] > (60 if not pop_in_condense else 10)
 
 
 # -- deterministic cases from the seeds -------------------------------------------------
@@ -487,7 +486,8 @@ def test_builder_pop_removed_lowest_first_and_append_after_read_fails():
 
 
 def test_min_p_count_unidirectional_move_onto_min_p_row():
-    """Seed 002 R2: the row moved onto held a min_p; vLLM's count goes wrong here."""
+    """Seed 002 R2 questions vLLM's count on a unidirectional move onto a min_p row
+    (without a remove for that row, as vLLM's condense emits it); ours must be right."""
     cfg = SamplerConfig(vocab_size=V, max_num_seqs=8)
     proc = MinPLogitsProcessor(cfg, torch.device("cpu"), False)
     proc.update_state(build(3, added=[add(0, min_p=0.1), add(1, min_p=0.2), add(2, min_p=0.3)]))

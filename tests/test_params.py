@@ -391,11 +391,6 @@ def test_clone_equal_and_distinct():
     assert p.temperature == 0.5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: SamplingParams.clone() is shallow (msgspec.structs.replace); vLLM's clone "
-    "is a deep copy, so mutating the clone's lists/dicts changes the original",
-)
 def test_clone_is_deep():
     p = SamplingParams(stop=["a"], stop_token_ids=[1], logit_bias={1: 2.0},
                        extra_args={"x": [1]})

@@ -351,19 +351,17 @@ def test_top_k_keeps_ties_at_the_kth_value_small_vocab():
     assert_vectors_close(full_vector(out, 0, vocab), ref.processed_logprobs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: sampler/ops/topk_topp.py truncate_top_k_top_p keeps at most the "
-    "CANDIDATE_WIDTH (1024) best logits of a top-k row, so ties at the k-th value "
-    "beyond the first 1024 candidates are dropped (the rule keeps every tie)"))
-def test_top_k_keeps_ties_beyond_the_candidate_width():
-    vocab = 3000
+# Regression: top-k rows used to keep only their first W sorted candidates (W = 64 or
+# 1024, at least the largest k), dropping ties at the k-th value beyond W.
+@pytest.mark.parametrize("vocab,ties", [(200, 100), (3000, 1500)])
+def test_top_k_keeps_ties_beyond_the_candidate_width(vocab, ties):
     row = torch.full((vocab,), -5.0)
-    row[:1500] = 1.0  # 1500 tokens tie for the largest value
+    row[:ties] = 1.0  # ``ties`` tokens tie for the largest value
     params = [SamplingParams(top_k=3, logprobs=-1)]
     out, _ = run_sampler(row.unsqueeze(0), params, mode="processed_logprobs",
                          config=full_config(vocab, 1))
     ref = reference_row(row, params[0])
-    assert len(ref.support) == 1500
+    assert len(ref.support) == ties
     got = full_vector(out, 0, vocab)
     assert {t for t, v in enumerate(got) if v != NEG_INF} == ref.support
 
@@ -557,6 +555,30 @@ def test_empirical_frequencies_match_reference(knobs, case):
     for _ in range(calls):
         out, _ = run_sampler(row.repeat(rows, 1), [params] * rows, [prompt] * rows,
                              [output] * rows)
+        tokens += out.sampled_token_ids.tolist()
+    assert set(tokens) <= ref.support
+    n = rows * calls
+    tv = tv_distance(empirical(tokens, vocab), ref.probs)
+    bound = max(0.01, 2.0 * expected_tv(ref.probs, n))
+    assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("knobs", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}])
+def test_empirical_frequencies_large_vocabulary(knobs):
+    """vocab 6000 (several sampling blocks, a partial last one): the mass sits on a few
+    tokens spread over the blocks, including the last, partial block."""
+    vocab, rows, calls = 6000, 4000, 5
+    hot = [3, 1023, 1024, 2500, 4100, 5119, 5120, 5999]
+    row = torch.full((vocab,), -30.0)
+    row += make_logits(1, vocab, 5, scale=0.5)[0]
+    row[hot] = torch.tensor([1.0, 0.2, 1.5, 0.7, 0.9, 0.3, 1.1, 0.6])
+    params = SamplingParams(**knobs)
+    ref = reference_row(row, params)
+    torch.manual_seed(2)
+    tokens: list[int] = []
+    for _ in range(calls):
+        out, _ = run_sampler(row.repeat(rows, 1), [params] * rows)
         tokens += out.sampled_token_ids.tolist()
     assert set(tokens) <= ref.support
     n = rows * calls

@@ -392,11 +392,14 @@ def test_removed_row_state_is_discarded():
     a = [S, 1]
     holder.sync_batch(update(1, added=[added(0, 1, [], a)]))
     assert forced(holder, [a]) == [E]
+    assert holder.has_tracked_requests()
     holder.sync_batch(update(0, removed=[0]))
+    assert not holder.has_tracked_requests()
     assert forced(holder, []) == []
     # a later request at row 0 without a budget: untouched
     b = [S, 1, 2]
     holder.sync_batch(update(1, added=[added(0, None, [], b)]))
+    assert not holder.has_tracked_requests()
     assert forced(holder, [b]) == [None]
 
 
