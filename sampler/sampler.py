@@ -273,13 +273,25 @@ def _apply_by_depth(
 
 
 def gather_logprobs(source: torch.Tensor, k: int, sampled: torch.Tensor) -> LogprobsTensors:
-    """The sampled token's value and rank, then the top-``k`` values, per row."""
+    """The sampled token's value and rank, then the top-``k`` values, per row.
+
+    The rank (tokens with a value >= the sampled one's) is read off the top-k when the
+    sampled token beats the k-th value; only the other rows count over the vocabulary.
+    """
     sampled = sampled.long()
     sampled_values = source.gather(1, sampled.unsqueeze(1))
-    ranks = (source >= sampled_values).sum(dim=-1)
-    top_values, top_ids = source.topk(k, dim=-1) if k > 0 else (
-        source.new_empty(source.shape[0], 0), sampled.new_empty(source.shape[0], 0)
-    )
+    if k > 0:
+        top_values, top_ids = source.topk(k, dim=-1)
+        ranks = (top_values >= sampled_values).sum(dim=-1)
+        # A value at or below the k-th may have equals or betters past the top-k.
+        full = (sampled_values[:, 0] <= top_values[:, -1]).nonzero().squeeze(1)
+    else:
+        top_values = source.new_empty(source.shape[0], 0)
+        top_ids = sampled.new_empty(source.shape[0], 0)
+        ranks = torch.zeros(source.shape[0], dtype=torch.long, device=source.device)
+        full = torch.arange(source.shape[0], device=source.device)
+    if full.numel():
+        ranks[full] = (source[full] - sampled_values[full]).ge_(0).sum(dim=-1).long()
     return LogprobsTensors(
         token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
         logprobs=torch.cat([sampled_values, top_values], dim=1),

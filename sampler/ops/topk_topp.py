@@ -33,25 +33,62 @@ class Candidates:
 
 def _truncate(
     row_logits: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, p: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top ``width`` candidates of each row with top-k and top-p applied; also whether
-    they were enough (top-k rows always are; top-p rows if they hold p of the mass)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top ``width`` candidates of each row with top-k and top-p applied; whether they
+    were enough (top-k rows unless a tie at the k-th value runs past them; top-p rows if
+    they hold p of the mass); and the mass they hold."""
     vocab = row_logits.shape[1]
     vals, ids = row_logits.topk(width, dim=-1, sorted=True)
     kth = vals.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
-    # A tie at the k-th value may continue past the candidates: then go wider.
-    ties_cut = (vals[:, -1:] >= kth).squeeze(1) & (width < vocab)
+    has_k = k < vocab
+    ties_cut = has_k & (vals[:, -1:] >= kth).squeeze(1) & (width < vocab)
     vals = vals.masked_fill(vals < kth, float("-inf"))
     # Mass of each candidate: within the top-k set when the row has top-k, else within
     # the whole vocabulary (so that we can tell whether the candidates cover p).
-    has_k = k < vocab
     norm = torch.where(has_k, torch.logsumexp(vals, dim=-1), lse).unsqueeze(1)
     probs = (vals - norm).exp()
     cum = probs.cumsum(dim=-1)
     covered = ((has_k | (cum[:, -1] >= p)) & ~ties_cut) | (width >= vocab)
     drop = (cum - probs) >= p.unsqueeze(1)
     drop[:, 0] = False
-    return ids, vals.masked_fill(drop, float("-inf")), covered
+    return ids, vals.masked_fill(drop, float("-inf")), covered, cum[:, -1]
+
+
+HISTOGRAM_BINS = 4096
+HISTOGRAM_SPAN = 40.0  # nats below the row's top logit that the bins cover
+
+
+def _top_p_by_histogram(
+    row_logits: torch.Tensor, lse: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact top-p for rows without top-k, in O(vocab): bin the logits below the row's
+    top, find the bin where the mass from the top crosses p, and sort only that bin's
+    tokens. Rows crossing in the catch-all bottom bin or in a crowded bin come back as
+    not covered."""
+    rows, vocab = row_logits.shape
+    device = row_logits.device
+    top = row_logits.amax(dim=-1, keepdim=True)
+    scale = HISTOGRAM_BINS / HISTOGRAM_SPAN
+    bins = (top - row_logits).mul_(scale).clamp_(max=HISTOGRAM_BINS - 1).long()
+    probs = (row_logits - lse.unsqueeze(1)).exp_()
+    mass = torch.zeros(rows, HISTOGRAM_BINS, device=device).scatter_add_(1, bins, probs)
+    count = torch.zeros(rows, HISTOGRAM_BINS, device=device).scatter_add_(
+        1, bins, torch.ones(1, device=device).expand(rows, vocab)
+    )
+    cum = mass.double().cumsum(dim=-1)
+    target = p.double().unsqueeze(1)
+    crossing = torch.searchsorted(cum, target).clamp_(max=HISTOGRAM_BINS - 1)
+    before = cum.gather(1, crossing) - mass.gather(1, crossing).double()
+    in_bin_count = count.gather(1, crossing).squeeze(1)
+    ok = (crossing.squeeze(1) < HISTOGRAM_BINS - 1) & (in_bin_count <= vocab // 4)
+    width = max(int(in_bin_count[ok].max()) if bool(ok.any()) else 1, 1)
+    vals, _ = row_logits.masked_fill(bins != crossing, float("-inf")).topk(width, dim=-1)
+    vals_probs = (vals.double() - lse.double().unsqueeze(1)).exp()
+    keep = (before + vals_probs.cumsum(dim=-1) - vals_probs) < target
+    keep[:, 0] = True  # the crossing bin holds the token that reaches p
+    cut = vals.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    ids = torch.arange(vocab, device=device).expand(rows, vocab)
+    return ids, row_logits.masked_fill(row_logits < cut, float("-inf")), ok
 
 
 def truncate_top_k_top_p(
@@ -60,9 +97,11 @@ def truncate_top_k_top_p(
     """Candidate lists for the rows that truncate (``top_k < vocab`` or ``top_p < 1``).
 
     ``top_k`` holds the vocabulary size for rows without top-k; ``top_p`` holds 1.0 for
-    rows without top-p. Widths grow in tiers (``CANDIDATE_WIDTHS``, then the whole
-    vocabulary) for the top-p rows whose candidates did not hold p of the mass; the
-    result has one group per tier used.
+    rows without top-p. Rows start with ``CANDIDATE_WIDTHS[0]`` candidates and go wider
+    while they are not covered; a top-p-only row whose first candidates hold less than
+    half of p goes straight to the O(vocab) histogram, and the last resort is a sort of
+    the whole row. Each row's path depends on its own logits only, so results do not
+    depend on the rest of the batch. Returns one group per path used.
     """
     vocab = logits.shape[1]
     n = logits.shape[0]
@@ -79,19 +118,35 @@ def truncate_top_k_top_p(
     no_k = k >= vocab
     lse = torch.zeros(rows.numel(), device=logits.device)
     if bool(no_k.any()):
-        lse[no_k] = torch.logsumexp(row_logits[no_k] if not bool(no_k.all()) else row_logits, dim=-1)
+        lse[no_k] = torch.logsumexp(row_logits if bool(no_k.all()) else row_logits[no_k], dim=-1)
     max_k = int(k[~no_k].max()) if not bool(no_k.all()) else 0
-    widths = sorted({min(vocab, max(w, max_k)) for w in CANDIDATE_WIDTHS} | {vocab})
-    left = torch.arange(rows.numel(), device=logits.device)
-    for width in widths:
-        sub = row_logits if left.numel() == row_logits.shape[0] else row_logits[left]
-        ids, vals, covered = _truncate(sub, lse[left], k[left], p[left], width)
-        done = covered.nonzero().squeeze(1)
+    widths = sorted({min(vocab, max(w, max_k)) for w in CANDIDATE_WIDTHS})
+
+    def add(index: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        done = ok.nonzero().squeeze(1)
         if done.numel():
-            groups.append(Candidates(rows[left[done]], ids[done], vals[done]))
-        left = left[~covered]
-        if left.numel() == 0:
+            groups.append(Candidates(rows[index[done]], ids[done], vals[done]))
+        return index[~ok]
+
+    left = torch.arange(rows.numel(), device=logits.device)
+    to_histogram = left[:0]
+    for width in widths:
+        if left.numel() == 0 or width >= vocab:
             break
+        sub = row_logits if left.numel() == row_logits.shape[0] else row_logits[left]
+        ids, vals, covered, held = _truncate(sub, lse[left], k[left], p[left], width)
+        jump = ~covered & no_k[left] & (held < p[left] / 2)
+        to_histogram = torch.cat([to_histogram, left[jump]])
+        add(left, ids, vals, covered)
+        left = left[~covered & ~jump]
+    hist = torch.cat([to_histogram, left[no_k[left]]])
+    left = left[~no_k[left]]
+    if hist.numel():
+        ids, vals, ok = _top_p_by_histogram(row_logits[hist], lse[hist], p[hist])
+        left = torch.cat([left, add(hist, ids, vals, ok)])
+    if left.numel():
+        ids, vals, covered, _ = _truncate(row_logits[left], lse[left], k[left], p[left], vocab)
+        add(left, ids, vals, covered)
     return groups
 
 
