@@ -31,16 +31,6 @@ class RejectionSampler:
         self.config = config
         self.sampler = Sampler(config)
 
-    def __call__(
-        self,
-        draft_token_ids: Sequence[Sequence[int]],
-        draft_probs: torch.Tensor | None,
-        target_logits: torch.Tensor,
-        bonus_token_ids: torch.Tensor,
-        metadata: SamplingMetadata,
-    ) -> torch.Tensor:
-        return self.forward(draft_token_ids, draft_probs, target_logits, bonus_token_ids, metadata)
-
     def forward(
         self,
         draft_token_ids: Sequence[Sequence[int]],
@@ -121,6 +111,8 @@ class RejectionSampler:
         else:
             out[:, 0] = bonus_token_ids.to(device).long()
         return out
+
+    __call__ = forward
 
     def _target_probs(
         self, logits: torch.Tensor, md: SamplingMetadata, positions: Positions, rows: torch.Tensor

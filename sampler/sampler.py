@@ -207,18 +207,13 @@ class Sampler:
         return sampled
 
 
-def draw_uniforms(
-    n: int, generators: dict[int, torch.Generator], device: torch.device, per_row: int = 1
-) -> torch.Tensor:
-    """``[n]`` (or ``[n, per_row]``) uniforms in [0, 1): seeded rows draw from their own
-    generator, the others from the global one."""
-    shape = (n,) if per_row == 1 else (n, per_row)
-    uniforms = torch.rand(shape, device=device)
+def draw_uniforms(n: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """``[n]`` uniforms in [0, 1): each seeded row draws one from its own generator, the
+    other rows from the global one."""
+    uniforms = torch.rand(n, device=device)
     for row, gen in generators.items():
         if row < n:
-            uniforms[row] = torch.rand(per_row, generator=gen, device=device).reshape(
-                uniforms[row].shape
-            )
+            uniforms[row] = torch.rand(1, generator=gen, device=device)[0]
     return uniforms
 
 

@@ -7,26 +7,6 @@ import time
 from collections.abc import Callable
 
 
-def time_per_call(
-    fn: Callable[..., object],
-    *,
-    setup: Callable[[], object] | None = None,
-    warmup: int = 3,
-    repeat: int = 15,
-) -> float:
-    """Median seconds per call of ``fn`` after ``warmup`` untimed calls. With ``setup``,
-    each call gets a fresh ``setup()`` result as its argument, made outside the timing."""
-    def once() -> float:
-        arg = setup() if setup is not None else None
-        start = time.perf_counter()
-        fn(arg) if setup is not None else fn()
-        return time.perf_counter() - start
-
-    for _ in range(warmup):
-        once()
-    return statistics.median(once() for _ in range(repeat))
-
-
 def time_side_by_side(
     cases: dict[str, tuple[Callable[..., object], Callable[[], object] | None]],
     *,
@@ -35,7 +15,8 @@ def time_side_by_side(
 ) -> dict[str, float]:
     """Median seconds per call of each case, measured in interleaved rounds (one call of
     every case per round) so that drifting machine speed hits all cases alike.
-    Each case is ``(fn, setup)`` as in :func:`time_per_call`."""
+    Each case is ``(fn, setup)``: with a ``setup``, every call gets a fresh ``setup()``
+    result as its argument, made outside the timing."""
     def once(fn: Callable[..., object], setup: Callable[[], object] | None) -> float:
         arg = setup() if setup is not None else None
         start = time.perf_counter()
