@@ -163,7 +163,7 @@ class SamplingMetadata:
             temperature=torch.from_numpy(temps).to(device),
             greedy_mask=torch.from_numpy(greedy).to(device),
             all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
+            all_random=n > 0 and not bool(greedy.any()),
             top_k=torch.from_numpy(top_k).to(device) if (top_k < vocab_size).any() else None,
             top_p=torch.from_numpy(top_p).to(device) if (top_p < 1.0).any() else None,
             generators=generators,

@@ -177,12 +177,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_ids("stop_token_ids", self.stop_token_ids)
         for seq in self.bad_words_token_ids or ():
             check_ids("bad_words", seq)
+        if self.min_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= (
+            self.all_stop_token_ids
+        ):
+            raise ValueError(
+                "allowed_token_ids must hold a token that is not a stop token when "
+                f"min_tokens > 0 (min_tokens={self.min_tokens} bans every allowed token)"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is None or max_logprobs == -1:
+            if value is None:
                 continue
+            if value > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {value}")
             wanted = vocab_size if value == -1 else value
-            if wanted > max_logprobs:
+            if max_logprobs != -1 and wanted > max_logprobs:
                 raise ValueError(
                     f"{name} must be in [-1, {max_logprobs}] (the server's max_logprobs), "
                     f"got {value}"

@@ -21,7 +21,7 @@ import torch
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.ops.topk_topp import inverse_cdf_sample, scatter_candidates, truncate_top_k_top_p
-from sampler.sampler import Positions, Sampler, apply_processors
+from sampler.sampler import Positions, Sampler, apply_processors, release_unsatisfiable_rows
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -60,6 +60,7 @@ class RejectionSampler:
         logits = self.sampler.apply_constraints(
             target_logits.to(torch.float32, copy=True), md, positions
         )
+        release_unsatisfiable_rows(logits)  # the worker fails those requests anyway
         greedy_rows = md.greedy_mask[rows] if num_drafts else torch.zeros(0, dtype=torch.bool)
 
         accepted = torch.zeros(num_drafts, dtype=torch.bool, device=device)
@@ -83,8 +84,8 @@ class RejectionSampler:
             empty = residual.sum(dim=-1) <= 0
             residual[empty] = probs[empty]
             u_accept, u_recover = self._uniforms(counts, md, device)
-            ratio = torch.where(q_draft > 0, p_draft / q_draft, torch.ones_like(p_draft))
-            accept_random = u_accept < ratio.clamp(max=1.0)
+            # u < min(1, p/q); a draft its own proposer gave no mass is rejected.
+            accept_random = (q_draft > 0) & (u_accept * q_draft < p_draft)
             recovered = inverse_cdf_sample(residual.log(), u_recover)
             accepted = torch.where(greedy_rows, accepted, accept_random)
             replacement = torch.where(greedy_rows, replacement, recovered)

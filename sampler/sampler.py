@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,10 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [rows] int64
     logprobs_tensors: LogprobsTensors | None = None
+    #: Rows whose constraints banned every token (e.g. bad words covering all allowed
+    #: tokens). They were sampled unconstrained so nothing crashes; finish them with an
+    #: error.
+    unsatisfiable_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +67,11 @@ class Positions:
                 rows.append(row)
                 prefixes.append(list(drafts[:j]))
         return cls(np.asarray(rows, dtype=np.int64), prefixes)
+
+    @property
+    def is_one_per_row(self) -> bool:
+        """Logits row i is batch row i (the bonus layout)."""
+        return bool((self.row_index == np.arange(len(self.row_index))).all())
 
     def past_tokens(self, outputs: Sequence[Sequence[int]]) -> list[list[int]]:
         return [list(outputs[r]) + p for r, p in zip(self.row_index.tolist(), self.prefixes)]
@@ -97,7 +106,13 @@ class Sampler:
         return self.forward(logits, metadata)
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        positions = Positions.bonus(md.spec_token_ids, md.num_rows) if md.spec_token_ids else None
+        if md.num_rows == 0:
+            return SamplerOutput(sampled_token_ids=torch.empty(0, dtype=torch.long))
+        positions = (
+            Positions.bonus(md.spec_token_ids, md.num_rows)
+            if md.spec_token_ids and any(md.spec_token_ids)
+            else None
+        )
         # 1. float32 logits (a copy unless in_place: the caller's tensor is left alone).
         logits = logits.to(torch.float32, copy=not self.in_place)
         # 2. raw logprobs / logits, before anything touches them.
@@ -107,6 +122,7 @@ class Sampler:
         # 3-7. allowed tokens, bad words, non-argmax-invariant processors, penalties,
         #      thinking-budget forcing.
         logits = self.apply_constraints(logits, md, positions)
+        unsatisfiable = release_unsatisfiable_rows(logits)
         # 8. greedy rows take the argmax of the constrained logits.
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
@@ -127,7 +143,11 @@ class Sampler:
             if raw is None:
                 raw = compute_logprobs(logits) if self.logprobs_mode == "processed_logprobs" else logits
             logprobs_tensors = gather_logprobs(raw, md.max_num_logprobs, sampled)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs_tensors=logprobs_tensors,
+            unsatisfiable_rows=unsatisfiable,
+        )
 
     # -- the steps --------------------------------------------------------------------
 
@@ -207,6 +227,16 @@ class Sampler:
         return sampled
 
 
+def release_unsatisfiable_rows(logits: torch.Tensor) -> list[int]:
+    """Rows with no finite logit left (their constraints ban everything) are reset to
+    a uniform row, so that the batch samples without NaNs; returns those rows."""
+    dead = torch.isneginf(logits.amax(dim=-1)).nonzero().squeeze(1)
+    if dead.numel() == 0:
+        return []
+    logits[dead] = 0.0
+    return dead.tolist()
+
+
 def draw_uniforms(n: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
     """``[n]`` uniforms in [0, 1): each seeded row draws one from its own generator, the
     other rows from the global one."""
@@ -225,10 +255,14 @@ def apply_processors(
 ) -> torch.Tensor:
     """Runs processors on one-row-per-batch-row logits, or, for speculative positions,
     once per draft depth on a batch-shaped view whose output lists are temporarily
-    extended with the draft prefix (so processors see the tokens before the position)."""
+    extended with the draft prefix (so processors see the tokens before the position).
+    A processor whose ``reads_output_token_ids`` is False skips that on the bonus layout
+    (one row per batch row): the drafts cannot change what it does."""
     for proc in processors:
         try:
-            if positions is None:
+            if positions is None or (
+                positions.is_one_per_row and not getattr(proc, "reads_output_token_ids", True)
+            ):
                 logits = proc.apply(logits)
             elif hasattr(proc, "apply_at_positions"):
                 num_prior = np.fromiter((len(p) for p in positions.prefixes), np.int64)

@@ -72,6 +72,9 @@ class MinPLogitsProcessor(LogitsProcessor):
     an accelerator, are copied to a device buffer only when they changed.
     """
 
+    #: Its masks depend on the params only (not on the tokens generated so far).
+    reads_output_token_ids = False
+
     def __init__(self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool):
         max_rows = config.max_num_seqs
         self.min_p_count = 0
@@ -139,6 +142,8 @@ class MinPLogitsProcessor(LogitsProcessor):
 
 class LogitBiasLogitsProcessor(LogitsProcessor):
     """Adds each request's ``logit_bias`` to its row; one scatter-add per step."""
+
+    reads_output_token_ids = False
 
     def __init__(self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool):
         self.device = torch.device(device)

@@ -54,6 +54,11 @@ class LogitsProcessor(ABC):
     ``[batch_size, vocab_size]`` float32 logits and returns them (in place is fine).
     """
 
+    #: Whether ``apply`` depends on the requests' output token lists. Processors that
+    #: only read params may say False: under speculative decoding the sampler then
+    #: skips re-running them for each draft depth.
+    reads_output_token_ids: bool = True
+
     @classmethod
     def validate_params(cls, sampling_params: "SamplingParams") -> None:
         """Raise ``ValueError`` if a request's params are unusable by this processor.

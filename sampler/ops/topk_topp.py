@@ -41,7 +41,9 @@ def _truncate(
     vals, ids = row_logits.topk(width, dim=-1, sorted=True)
     kth = vals.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
     has_k = k < vocab
-    ties_cut = has_k & (vals[:, -1:] >= kth).squeeze(1) & (width < vocab)
+    # (A -inf k-th value means every finite token is already a candidate.)
+    ties_cut = has_k & (vals[:, -1:] >= kth).squeeze(1) & torch.isfinite(kth).squeeze(1)
+    ties_cut &= width < vocab
     vals = vals.masked_fill(vals < kth, float("-inf"))
     # Mass of each candidate: within the top-k set when the row has top-k, else within
     # the whole vocabulary (so that we can tell whether the candidates cover p).
@@ -86,6 +88,7 @@ def _top_p_by_histogram(
     vals_probs = (vals.double() - lse.double().unsqueeze(1)).exp()
     keep = (before + vals_probs.cumsum(dim=-1) - vals_probs) < target
     keep[:, 0] = True  # the crossing bin holds the token that reaches p
+    keep &= torch.isfinite(vals)  # padding past the bin's own tokens
     cut = vals.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
     ids = torch.arange(vocab, device=device).expand(rows, vocab)
     return ids, row_logits.masked_fill(row_logits < cut, float("-inf")), ok
