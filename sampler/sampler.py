@@ -122,9 +122,14 @@ class Sampler:
         # 3-7. allowed tokens, bad words, non-argmax-invariant processors, penalties,
         #      thinking-budget forcing.
         logits = self.apply_constraints(logits, md, positions)
-        unsatisfiable = release_unsatisfiable_rows(logits)
-        # 8. greedy rows take the argmax of the constrained logits.
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        # 8. greedy rows take the argmax of the constrained logits (the same pass finds
+        #    rows whose constraints left no token: see release_unsatisfiable_rows).
+        top, greedy = logits.max(dim=-1)
+        unsatisfiable = release_unsatisfiable_rows(logits, top)
+        if unsatisfiable:
+            greedy[unsatisfiable] = 0
+        if md.all_random:
+            greedy = None
         if md.all_greedy:
             sampled = greedy
         else:
@@ -227,10 +232,13 @@ class Sampler:
         return sampled
 
 
-def release_unsatisfiable_rows(logits: torch.Tensor) -> list[int]:
+def release_unsatisfiable_rows(logits: torch.Tensor, row_max: torch.Tensor | None = None) -> list[int]:
     """Rows with no finite logit left (their constraints ban everything) are reset to
-    a uniform row, so that the batch samples without NaNs; returns those rows."""
-    dead = torch.isneginf(logits.amax(dim=-1)).nonzero().squeeze(1)
+    a uniform row, so that the batch samples without NaNs; returns those rows.
+    ``row_max`` is ``logits.amax(-1)`` when the caller already has it."""
+    if row_max is None:
+        row_max = logits.amax(dim=-1)
+    dead = torch.isneginf(row_max).nonzero().squeeze(1)
     if dead.numel() == 0:
         return []
     logits[dead] = 0.0
