@@ -102,9 +102,6 @@ class Sampler:
             config.logprobs_mode if config is not None else "raw_logprobs"
         )
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        return self.forward(logits, metadata)
-
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if md.num_rows == 0:
             return SamplerOutput(sampled_token_ids=torch.empty(0, dtype=torch.long))
@@ -153,6 +150,8 @@ class Sampler:
             logprobs_tensors=logprobs_tensors,
             unsatisfiable_rows=unsatisfiable,
         )
+
+    __call__ = forward
 
     # -- the steps --------------------------------------------------------------------
 
