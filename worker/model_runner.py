@@ -1,0 +1,386 @@
+"""ModelRunner: one step message in, one reply out.
+
+A step applies the batch changes, packs every scheduled token (prefill chunks, decodes,
+and speculative drafts) into one sequence, runs the model once with the per-row KV
+cache, computes logits only where they are needed (sampling positions, draft positions,
+prompt-logprob positions), samples (the rejection sampler decides drafts), and returns
+flat arrays.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sampler.config import SamplerConfig
+from sampler.logits_processor.interface import LogitsProcessorError
+from sampler.logits_processor.loading import build_logitsprocs
+from sampler.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from sampler.sampler import Sampler, gather_logprobs
+from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
+from worker.input_batch import NO_LOGPROBS, InputBatch
+from worker.kv_cache import ATTENTION_NAME, AttentionPlan, RowKVCache
+from worker.model_loader import LoadedModel, ModelLoadError, load_model
+from worker.ngram_proposer import NgramProposer
+from worker.protocol import (
+    PROTOCOL_VERSION,
+    Float32Array,
+    Int32Array,
+    RowError,
+    StepReply,
+    StepRequest,
+    WorkerConfig,
+    WorkerInfo,
+)
+
+UNSATISFIABLE = "no token is allowed: the request's constraints (allowed_token_ids, bad_words, logit_bias, ...) ban every token"
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in the parts of the last step (for the driver-overhead bench)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        loaded = load_model(
+            config.model, device=config.device, dtype=config.dtype,
+            attn_implementation=ATTENTION_NAME, max_model_len=config.max_model_len,
+            trust_remote_code=config.trust_remote_code,
+        )
+        self.loaded: LoadedModel = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        hf = self.model.config
+        window = getattr(hf, "sliding_window", None)
+        max_len = loaded.max_model_len
+        if window and getattr(hf, "use_sliding_window", True):
+            max_len = min(max_len, int(window))  # within the window, attention is full
+        self.max_model_len = max_len
+        layers = hf.num_hidden_layers
+        heads = hf.num_attention_heads
+        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        per_row = RowKVCache.bytes_per_token(layers, kv_heads, head_dim, loaded.dtype) * max_len
+        budget = config.kv_cache_memory_bytes or _default_kv_budget(self.device)
+        rows = min(config.max_num_seqs, budget // per_row)
+        if rows < 1:
+            raise ModelLoadError(
+                f"kv_cache_memory_bytes {budget} holds no row of max_model_len {max_len} "
+                f"({per_row} bytes per row): raise the budget or lower max_model_len"
+            )
+        self.kv = RowKVCache(layers, rows, kv_heads, head_dim, max_len, loaded.dtype, self.device)
+        self.sampler_config = SamplerConfig(
+            vocab_size=loaded.vocab_size, max_num_seqs=rows,
+            num_spec_tokens=config.num_spec_tokens, max_logprobs=config.max_logprobs,
+            logprobs_mode=config.logprobs_mode, logits_processors=list(config.logits_processors),
+        )
+        self.reasoning: ReasoningConfig | None = None
+        if config.reasoning_start or config.reasoning_end:
+            if not (config.reasoning_start and config.reasoning_end):
+                raise ModelLoadError("reasoning_start and reasoning_end go together")
+            self.reasoning = ReasoningConfig.from_strings(
+                config.reasoning_start, config.reasoning_end, loaded.tokenizer
+            )
+        self.batch = self._new_batch()
+        self.sampler = Sampler(self.sampler_config, in_place=True)
+        self.rejection_sampler = RejectionSampler(self.sampler_config)
+        self.proposer = (
+            NgramProposer(config.num_spec_tokens, config.ngram_min, config.ngram_max)
+            if config.num_spec_tokens else None
+        )
+        self.timings = StepTimings()
+        self.info = WorkerInfo(
+            model_name=loaded.name, device=str(self.device), dtype=str(loaded.dtype).removeprefix("torch."),
+            vocab_size=loaded.vocab_size, eos_token_ids=loaded.eos_token_ids,
+            max_model_len=max_len, max_num_seqs=rows, kv_cache_bytes=per_row * rows,
+            num_spec_tokens=config.num_spec_tokens,
+        )
+
+    # -- one step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: StepRequest) -> StepReply:
+        """Raises ``ProtocolError`` for a step that does not fit the batch (nothing
+        changed); a logits processor that raises fails the step with an error reply."""
+        t0 = time.perf_counter()
+        try:
+            self.batch.apply(step)
+            return self._run(step.step_id, step.num_scheduled_tokens.numpy().astype(np.int64), t0)
+        except LogitsProcessorError as exc:
+            n = self.batch.batch_size
+            failed = [
+                RowError(r, self.batch.requests[r].request_id, str(exc)) for r in range(n)
+            ]
+            return StepReply(
+                version=PROTOCOL_VERSION, step_id=step.step_id, error=str(exc), failed=failed,
+                num_sampled=Int32Array.of(np.zeros(n)),
+            )
+
+    def _run(self, step_id: int, scheduled: np.ndarray, t0: float) -> StepReply:
+        batch, n = self.batch, self.batch.batch_size
+        rows = np.flatnonzero(scheduled)
+        if len(rows) == 0:
+            return StepReply(version=PROTOCOL_VERSION, step_id=step_id, num_sampled=Int32Array.of(np.zeros(n)))
+        computed = batch.num_computed[rows].copy()
+        known = batch.num_tokens[rows]
+        count = scheduled[rows].copy()
+        samples = computed + count == known
+        num_drafts = self._propose_drafts(rows, count, samples)
+        count += num_drafts
+
+        starts = np.concatenate([[0], np.cumsum(count)[:-1]])
+        total = int(count.sum())
+        token_rows = np.repeat(rows, count)
+        positions = np.repeat(computed, count) + np.arange(total) - np.repeat(starts, count)
+        input_ids = torch.from_numpy(batch.token_ids[token_rows, positions]).to(self.device)
+        position_ids = torch.from_numpy(positions).to(self.device)
+        plan = AttentionPlan.build(self.kv, rows, computed, count, self.device)
+
+        # Logits wanted: each sampling row's last real token plus its drafts, in row
+        # order; then the prompt-logprob positions.
+        s_idx = np.flatnonzero(samples)
+        s_rows = rows[s_idx]
+        s_width = num_drafts[s_idx] + 1
+        s_first = starts[s_idx] + count[s_idx] - s_width
+        keep = [_ranges(s_first, s_width)]
+        prompt_chunks = self._prompt_logprob_chunks(rows, computed, count, starts)
+        keep += [np.arange(s, s + m) for _, s, m, _ in prompt_chunks]
+        keep_t = torch.from_numpy(np.concatenate(keep)).to(self.device)
+        t1 = time.perf_counter()
+
+        logits = self.model(
+            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+            use_cache=False, logits_to_keep=keep_t, attention_plan=plan,
+        ).logits[0]
+        t2 = time.perf_counter()
+
+        num_sample_logits = int(s_width.sum())
+        prompt_reply = self._prompt_logprobs(prompt_chunks, logits[num_sample_logits:])
+        emitted, lp, failed = self._sample(
+            logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width
+        )
+        # Bookkeeping: cache lengths (past rejected drafts: they are simply overwritten
+        # later) and the rows' tokens.
+        failed_rows = {f.row for f in failed}
+        batch.num_computed[rows] = computed + count - num_drafts
+        num_sampled = np.zeros(n, dtype=np.int32)
+        accepted = np.zeros(n, dtype=np.int32)
+        for row, tokens, nd in zip(s_rows.tolist(), emitted, num_drafts[s_idx].tolist()):
+            if row in failed_rows:
+                continue
+            batch.append_tokens(row, tokens)
+            batch.num_computed[row] += len(tokens) - 1
+            num_sampled[row] = len(tokens)
+            accepted[row] = len(tokens) - 1 if nd else 0
+        if batch.thinking_budget is not None:
+            batch.thinking_budget.update_state([r.output_token_ids for r in batch.requests[:n]])
+        flat = [t for row, tokens in zip(s_rows.tolist(), emitted) if row not in failed_rows for t in tokens]
+        drafts_per_row = np.zeros(n, dtype=np.int32)
+        drafts_per_row[rows] = num_drafts
+        t3 = time.perf_counter()
+        self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        reply = dict(
+            version=PROTOCOL_VERSION, step_id=step_id,
+            num_sampled=Int32Array.of(num_sampled), sampled_token_ids=Int32Array.of(flat),
+            num_draft_tokens=Int32Array.of(drafts_per_row),
+            num_accepted_tokens=Int32Array.of(accepted), failed=failed,
+        )
+        if lp is not None:
+            ids, values, ranks = lp
+            keep_mask = np.repeat([r not in failed_rows for r in s_rows.tolist()], [len(t) for t in emitted])
+            reply.update(
+                logprobs_width=ids.shape[1],
+                logprob_token_ids=Int32Array.of(ids[keep_mask].reshape(-1)),
+                logprobs=Float32Array.of(values[keep_mask].reshape(-1)),
+                logprob_ranks=Int32Array.of(ranks[keep_mask]),
+            )
+        reply.update(prompt_reply)
+        return StepReply(**reply)
+
+    # -- the parts --------------------------------------------------------------------
+
+    def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """n-gram drafts for decoding rows, written past each row's known tokens."""
+        num = np.zeros(len(rows), dtype=np.int64)
+        if self.proposer is None:
+            return num
+        batch = self.batch
+        for i in np.flatnonzero(samples & (count == 1)).tolist():
+            row = int(rows[i])
+            req = batch.requests[row]
+            known = int(batch.num_tokens[row])
+            limit = self.max_model_len - known - 1
+            if req.params.max_tokens is not None:
+                limit = min(limit, req.params.max_tokens - len(req.output_token_ids) - 1)
+            drafts = self.proposer.propose(batch.token_ids[row, :known], limit)
+            if len(drafts):
+                batch.token_ids[row, known : known + len(drafts)] = drafts
+                num[i] = len(drafts)
+        return num
+
+    def _sample(
+        self, logits: torch.Tensor, s_rows: np.ndarray, num_drafts: np.ndarray, width: np.ndarray
+    ) -> tuple[list[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray] | None, list[RowError]]:
+        """Tokens emitted per sampling row, their logprobs, and the rows that failed."""
+        batch, n = self.batch, self.batch.batch_size
+        if len(s_rows) == 0:
+            return [], None, []
+        all_rows = len(s_rows) == n  # then s_rows is 0..n-1 in order
+        spec = bool(num_drafts.any())
+        md = batch.sampling_metadata(None if all_rows else s_rows)
+        raw_lp = None
+        if md.max_num_logprobs is not None and spec:
+            raw_lp = torch.log_softmax(logits.float(), dim=-1)  # before in-place sampling
+        last = torch.from_numpy(np.cumsum(width) - 1).to(self.device)
+        bonus = logits if not spec else logits[last]
+        if not all_rows:
+            dense = bonus.new_zeros(n, bonus.shape[1])
+            dense[torch.from_numpy(s_rows).to(self.device)] = bonus
+            bonus = dense
+        spec_ids: list[list[int]] | None = None
+        if spec:
+            spec_ids = [[] for _ in range(n)]
+            for row, nd in zip(s_rows.tolist(), num_drafts.tolist()):
+                if nd:
+                    known = int(batch.num_tokens[row])
+                    spec_ids[row] = batch.token_ids[row, known : known + nd].tolist()
+            md = batch.sampling_metadata(None if all_rows else s_rows, spec_ids)
+        out = self.sampler(bonus, md)
+        failed = [
+            RowError(r, batch.requests[r].request_id, UNSATISFIABLE) for r in out.unsatisfiable_rows
+        ]
+        if not spec:
+            tokens = out.sampled_token_ids.cpu()
+            emitted = [[t] for t in (tokens if all_rows else tokens[torch.from_numpy(s_rows)]).tolist()]
+            lp = None
+            if out.logprobs_tensors is not None:
+                t = out.logprobs_tensors
+                sel = slice(None) if all_rows else torch.from_numpy(s_rows)
+                lp = (t.token_ids[sel].cpu().numpy(), t.logprobs[sel].float().cpu().numpy(), t.ranks[sel].cpu().numpy())
+            return emitted, lp, failed
+        is_draft = np.ones(int(width.sum()), dtype=bool)
+        is_draft[np.cumsum(width) - 1] = False
+        target = logits[torch.from_numpy(np.flatnonzero(is_draft)).to(self.device)]
+        grid = self.rejection_sampler(spec_ids, None, target, out.sampled_token_ids, md).cpu()
+        emitted = []
+        for row in s_rows.tolist():
+            values = grid[row]
+            emitted.append(values[values != PLACEHOLDER_TOKEN_ID].tolist())
+        lp = None
+        if raw_lp is not None:
+            # Emitted token j of a row was predicted at that row's logits position j.
+            first = np.cumsum(width) - width
+            pos = np.concatenate([f + np.arange(len(e)) for f, e in zip(first, emitted)])
+            flat = torch.tensor([t for e in emitted for t in e], dtype=torch.long, device=self.device)
+            t = gather_logprobs(raw_lp[torch.from_numpy(pos).to(self.device)], md.max_num_logprobs, flat)
+            lp = (t.token_ids.cpu().numpy(), t.logprobs.cpu().numpy(), t.ranks.cpu().numpy())
+        return emitted, lp, failed
+
+    def _prompt_logprob_chunks(
+        self, rows: np.ndarray, computed: np.ndarray, count: np.ndarray, starts: np.ndarray
+    ) -> list[tuple[int, int, int, int]]:
+        """(row, first packed index, positions, first position) for rows that asked for
+        prompt logprobs and run prompt positions this step; position p predicts p + 1."""
+        batch = self.batch
+        wants = batch.num_prompt_logprobs[rows] != NO_LOGPROBS
+        chunks = []
+        for i in np.flatnonzero(wants).tolist():
+            row = int(rows[i])
+            first = int(computed[i])
+            end = min(first + int(count[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if end > first:
+                chunks.append((row, int(starts[i]), end - first, first))
+        return chunks
+
+    def _prompt_logprobs(self, chunks, logits: torch.Tensor) -> dict:
+        if not chunks:
+            return {}
+        batch = self.batch
+        k = int(max(batch.num_prompt_logprobs[row] for row, *_ in chunks))
+        targets = np.concatenate(
+            [batch.token_ids[row, p + 1 : p + 1 + m] for row, _, m, p in chunks]
+        )
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        t = gather_logprobs(lp, k, torch.from_numpy(targets).to(self.device))
+        return dict(
+            prompt_logprob_rows=Int32Array.of([c[0] for c in chunks]),
+            prompt_logprob_counts=Int32Array.of([c[2] for c in chunks]),
+            prompt_logprobs_width=k + 1,
+            prompt_logprob_token_ids=Int32Array.of(t.token_ids.cpu().numpy().reshape(-1)),
+            prompt_logprobs=Float32Array.of(t.logprobs.cpu().numpy().reshape(-1)),
+            prompt_logprob_ranks=Int32Array.of(t.ranks.cpu().numpy()),
+        )
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def _new_batch(self) -> InputBatch:
+        try:
+            logitsprocs = build_logitsprocs(self.sampler_config, self.device, False)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise ModelLoadError(f"logits_processors: {exc}") from None
+        thinking = None
+        if self.reasoning is not None:
+            thinking = ThinkingBudgetStateHolder(
+                self.reasoning, self.kv.num_rows, self.config.num_spec_tokens, self.device, False
+            )
+        return InputBatch(
+            self.sampler_config, self.max_model_len, self.device, logitsprocs, thinking, self.kv
+        )
+
+    def reset(self) -> None:
+        """Drops every request and rebuilds the processors (cache rows are reused)."""
+        self.batch = self._new_batch()
+
+    def memory(self) -> dict[str, int]:
+        used_tokens = int(self.batch.num_computed[: self.batch.batch_size].sum())
+        report = {
+            "kv_cache_bytes": self.info.kv_cache_bytes,
+            "kv_cache_rows": self.kv.num_rows,
+            "kv_rows_in_use": self.batch.batch_size,
+            "kv_tokens_in_use": used_tokens,
+            "kv_bytes_in_use": used_tokens * self.info.kv_cache_bytes // (self.kv.num_rows * self.max_model_len),
+        }
+        try:
+            import psutil
+
+            report["process_rss_bytes"] = psutil.Process().memory_info().rss
+        except ImportError:  # psutil comes with accelerate; stay useful without it
+            pass
+        if self.device.type == "cuda":
+            report["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            report["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        return report
+
+
+def _ranges(first: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(first[i], first[i] + width[i])``."""
+    if len(first) == 0:
+        return np.zeros(0, dtype=np.int64)
+    total = int(width.sum())
+    offsets = np.arange(total) - np.repeat(np.cumsum(width) - width, width)
+    return np.repeat(first, width) + offsets
+
+
+def _default_kv_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    except ImportError:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * 0.25)

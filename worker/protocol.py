@@ -1,0 +1,224 @@
+"""The driver <-> worker wire format: one msgpack message per step each way.
+
+Every type that crosses the wire is a msgspec Struct defined here, so the driver and the
+worker import the same definitions. Token ids, logprobs and ranks travel as raw
+little-endian bytes (``Int32Array`` / ``Float32Array`` say the dtype), never as lists of
+Python ints. Decoding validates every field's type; a malformed message or one from
+another protocol version raises ``ProtocolError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+import msgspec
+import numpy as np
+
+from sampler.params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ProtocolError(ValueError):
+    """A step message or reply that cannot be decoded or does not fit the batch."""
+
+
+class _RawArray(msgspec.Struct, array_like=True, frozen=True):
+    """A 1-D array as raw little-endian bytes; subclasses fix the dtype."""
+
+    data: bytes
+    dtype: ClassVar[np.dtype]
+
+    def __post_init__(self) -> None:
+        if len(self.data) % self.dtype.itemsize:
+            raise ValueError(
+                f"{len(self.data)} bytes is not a whole number of {self.dtype.name} values"
+            )
+
+    def numpy(self) -> np.ndarray:
+        """A read-only view of the values (no copy)."""
+        return np.frombuffer(self.data, dtype=self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.data) // self.dtype.itemsize
+
+    @classmethod
+    def of(cls, values: object) -> "_RawArray":
+        return cls(np.ascontiguousarray(values, dtype=cls.dtype).tobytes())
+
+
+class Int32Array(_RawArray, frozen=True):
+    dtype: ClassVar[np.dtype] = np.dtype("<i4")
+
+
+class Float32Array(_RawArray, frozen=True):
+    dtype: ClassVar[np.dtype] = np.dtype("<f4")
+
+
+EMPTY_I32 = Int32Array(b"")
+EMPTY_F32 = Float32Array(b"")
+
+
+# -- loading ---------------------------------------------------------------------------
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """How a worker loads its model and sizes its batch (sent once, at load)."""
+
+    model: str | None = None  # local path, hub id, .gguf file; None: the embedded default
+    device: str | None = None  # None: cuda when the actor has a GPU, else cpu
+    dtype: str | None = None  # None/auto: float32 on CPU, bf16/fp16 on CUDA
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    #: KV-cache budget in bytes; None: a quarter of RAM (CPU) or of free GPU memory.
+    kv_cache_memory_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    num_spec_tokens: NonNegative = 0  # n-gram drafts per decode step; 0: off
+    ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 1
+    ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
+    max_logprobs: Annotated[int, msgspec.Meta(ge=-1)] = 20
+    logprobs_mode: str = "raw_logprobs"
+    logits_processors: list[str] = []  # "module:Qualname", server configuration only
+    reasoning_start: str | None = None  # thinking-budget markers, tokenized by the worker
+    reasoning_end: str | None = None
+    seed: int = 0  # the global stream that unseeded random rows draw from
+    trust_remote_code: bool = False
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a loaded worker tells the driver."""
+
+    model_name: str
+    device: str
+    dtype: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+    max_num_seqs: int  # rows the KV budget allows (<= the configured max_num_seqs)
+    kv_cache_bytes: int
+    num_spec_tokens: int
+
+
+# -- driver -> worker ------------------------------------------------------------------
+
+
+class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """A request placed into ``row``: new, or resumed with the output it already has
+    (after preemption or a lost worker). The worker recomputes its cache from scratch."""
+
+    row: NonNegative
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: Int32Array
+    output_token_ids: Int32Array = EMPTY_I32
+
+
+class MovedRows(msgspec.Struct, array_like=True, frozen=True):
+    """Row ``a`` moves to row ``b`` (b's old contents are dropped), or they swap."""
+
+    a: NonNegative
+    b: NonNegative
+    swap: bool = False
+
+
+class StepRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """One engine step for one worker: the batch changes, then what to run.
+
+    Changes apply in order: ``removed``, ``added`` (into the given rows; a row freed this
+    step may be refilled), ``moved`` in list order; afterwards rows
+    ``0..batch_size-1`` all hold requests. ``num_scheduled_tokens[row]`` is how many of
+    the row's known tokens (prompt, then output) to run this step: a prefill chunk, 1 for
+    a decode, 0 to skip the row. A row samples when its chunk reaches its last known token.
+    """
+
+    version: int
+    step_id: NonNegative
+    batch_size: NonNegative
+    removed: list[NonNegative] = []
+    added: list[AddedRequest] = []
+    moved: list[MovedRows] = []
+    num_scheduled_tokens: Int32Array = EMPTY_I32
+
+
+# -- worker -> driver ------------------------------------------------------------------
+
+
+class RowError(msgspec.Struct, array_like=True, frozen=True):
+    """A request that cannot go on (the driver finishes it with this error)."""
+
+    row: int
+    request_id: str
+    message: str
+
+
+class StepReply(msgspec.Struct, kw_only=True, frozen=True):
+    """What one step produced, as flat arrays in row order.
+
+    ``num_sampled[row]`` tokens per row (0 while a row is still prefilling, more than 1
+    when speculative drafts were accepted) are concatenated in ``sampled_token_ids``.
+    With logprobs, every sampled token has ``logprobs_width`` entries (the sampled token
+    first, then the batch's widest top-k) in ``logprob_token_ids`` / ``logprobs`` and a
+    rank in ``logprob_ranks``; rows asking fewer entries use a prefix.
+    Prompt logprobs: chunk ``i`` belongs to row ``prompt_logprob_rows[i]`` and covers
+    ``prompt_logprob_counts[i]`` prompt positions, each ``prompt_logprobs_width`` wide
+    (the actual prompt token first).
+    ``error`` set means the step failed as a whole (a logits processor raised): every
+    row is listed in ``failed``.
+    """
+
+    version: int
+    step_id: int
+    num_sampled: Int32Array = EMPTY_I32
+    sampled_token_ids: Int32Array = EMPTY_I32
+    logprobs_width: int = 0
+    logprob_token_ids: Int32Array = EMPTY_I32
+    logprobs: Float32Array = EMPTY_F32
+    logprob_ranks: Int32Array = EMPTY_I32
+    prompt_logprob_rows: Int32Array = EMPTY_I32
+    prompt_logprob_counts: Int32Array = EMPTY_I32
+    prompt_logprobs_width: int = 0
+    prompt_logprob_token_ids: Int32Array = EMPTY_I32
+    prompt_logprobs: Float32Array = EMPTY_F32
+    prompt_logprob_ranks: Int32Array = EMPTY_I32
+    num_draft_tokens: Int32Array = EMPTY_I32
+    num_accepted_tokens: Int32Array = EMPTY_I32
+    failed: list[RowError] = []
+    error: str | None = None
+
+
+# -- encoding --------------------------------------------------------------------------
+
+
+class Codec:
+    """msgpack encoder/decoders for both message kinds (build one per process: msgspec
+    encoders cannot be pickled, so a Ray actor makes its own)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._step_decoder = msgspec.msgpack.Decoder(StepRequest)
+        self._reply_decoder = msgspec.msgpack.Decoder(StepReply)
+
+    def encode(self, message: StepRequest | StepReply) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_step(self, data: bytes) -> StepRequest:
+        return _checked(self._step_decoder, data, "step message")
+
+    def decode_reply(self, data: bytes) -> StepReply:
+        return _checked(self._reply_decoder, data, "step reply")
+
+
+def _checked(decoder: msgspec.msgpack.Decoder, data: bytes, what: str):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
+    try:
+        message = decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError included; it names the field
+        raise ProtocolError(f"malformed {what}: {exc}") from None
+    if message.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{what}: protocol version {message.version} at $.version, this side speaks "
+            f"{PROTOCOL_VERSION}"
+        )
+    return message
