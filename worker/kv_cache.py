@@ -131,8 +131,9 @@ class AttentionPlan:
         # Query j of a row sits at position kv_len - n + j and sees keys up to there.
         last_visible = (b_kv - b_n)[:, None] + qi[None, :]
         mask = np.arange(kv)[None, None, :] <= last_visible[:, :, None]
-        mask[~valid] = False
-        mask[~valid, 0] = True  # padding queries attend somewhere (no NaNs), then dropped
+        if nb:
+            mask[~valid] = False
+            mask[~valid, 0] = True  # padding queries attend somewhere (no NaNs), then dropped
         contiguous = nb > 0 and bool((b_rows == np.arange(nb)).all())
         prefill = []
         for r, s, n, c in zip(rows[~short], starts[~short], num_tokens[~short], num_computed[~short]):

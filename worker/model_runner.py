@@ -22,6 +22,7 @@ from sampler.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 from worker.input_batch import NO_LOGPROBS, InputBatch
+from worker.cpu_linear import pack_linear_layers
 from worker.kv_cache import ATTENTION_NAME, AttentionPlan, RowKVCache
 from worker.model_loader import LoadedModel, ModelLoadError, load_model
 from worker.ngram_proposer import NgramProposer
@@ -60,6 +61,9 @@ class ModelRunner:
         self.loaded: LoadedModel = loaded
         self.model = loaded.model
         self.device = loaded.device
+        self.num_packed_linear = 0
+        if self.device.type == "cpu" and config.cpu_packed_linear:
+            self.num_packed_linear = pack_linear_layers(self.model)
         hf = self.model.config
         window = getattr(hf, "sliding_window", None)
         max_len = loaded.max_model_len

@@ -82,6 +82,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     logits_processors: list[str] = []  # "module:Qualname", server configuration only
     reasoning_start: str | None = None  # thinking-budget markers, tokenized by the worker
     reasoning_end: str | None = None
+    #: CPU only: run linear layers with prepacked oneDNN weights (worker/cpu_linear.py).
+    cpu_packed_linear: bool = True
     seed: int = 0  # the global stream that unseeded random rows draw from
     trust_remote_code: bool = False
 

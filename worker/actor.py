@@ -1,0 +1,94 @@
+"""The Ray worker actor: a ModelRunner behind bytes-in, bytes-out methods.
+
+The driver decides everything about scheduling; the actor loads a model, applies each
+step message to its persistent batch, runs it, and answers with one reply. A step
+message that does not decode or does not fit the batch raises ``ProtocolError`` (Ray
+hands it to the caller; the actor and its batch are untouched). Create actors with
+``create_worker`` (GPU when ``num_gpus`` > 0) and keep ``max_task_retries=0``: a retried
+step would run twice.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+import ray
+
+from worker.protocol import Codec, WorkerConfig, WorkerInfo
+
+
+class Worker:
+    """Plain class (usable without Ray in tests); ``create_worker`` makes it an actor."""
+
+    def __init__(self) -> None:
+        self._codec = Codec()  # built here: msgspec encoders do not pickle
+        self._runner = None
+        self._steps = 0
+        self._started = time.time()
+
+    def load(self, config: bytes | WorkerConfig) -> bytes:
+        """Loads the model; ``config`` is a msgpack-encoded ``WorkerConfig``. Returns the
+        msgpack-encoded ``WorkerInfo``."""
+        from worker.model_runner import ModelRunner
+
+        if isinstance(config, (bytes, bytearray)):
+            config = msgspec.msgpack.decode(config, type=WorkerConfig)
+        self._runner = ModelRunner(config)
+        return msgspec.msgpack.encode(self._runner.info)
+
+    def step(self, message: bytes) -> bytes:
+        if self._runner is None:
+            raise RuntimeError("step before load: call load(config) first")
+        reply = self._runner.execute(self._codec.decode_step(message))
+        self._steps += 1
+        return self._codec.encode(reply)
+
+    def health(self) -> dict[str, Any]:
+        runner = self._runner
+        return {
+            "loaded": runner is not None,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            "steps": self._steps,
+            "uptime_s": time.time() - self._started,
+            "batch_size": runner.batch.batch_size if runner else 0,
+            "model": runner.info.model_name if runner else None,
+            "device": runner.info.device if runner else None,
+        }
+
+    def memory(self) -> dict[str, int]:
+        if self._runner is None:
+            return {}
+        return self._runner.memory()
+
+    def timings(self) -> dict[str, float]:
+        """Seconds in the last step's parts (prepare, forward, sample)."""
+        t = self._runner.timings if self._runner else None
+        return {} if t is None else {"prepare": t.prepare, "forward": t.forward, "sample": t.sample}
+
+    def reset(self) -> None:
+        """Forgets every request; the model stays loaded."""
+        if self._runner is not None:
+            self._runner.reset()
+
+
+def create_worker(
+    num_gpus: float = 0,
+    num_cpus: float = 1,
+    resources: dict[str, float] | None = None,
+    **options: Any,
+) -> "ray.actor.ActorHandle":
+    """A ``Worker`` actor; a GPU actor when ``num_gpus`` > 0. Extra ``options`` go to
+    ``.options()`` (name, scheduling_strategy, runtime_env, ...)."""
+    cls = ray.remote(Worker)
+    return cls.options(
+        num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or {},
+        max_restarts=0, max_task_retries=0, **options,
+    ).remote()
+
+
+def decode_info(data: bytes) -> WorkerInfo:
+    return msgspec.msgpack.decode(data, type=WorkerInfo)
