@@ -119,3 +119,36 @@ class PromptAwareAdapter(AdapterLogitsProcessor):
             return out
 
         return mark
+
+
+class ExplodingProc(LogitsProcessor):
+    """Raises inside ``apply`` while any row's request has extra_args {"explode": True}."""
+
+    def __init__(self, config, device, is_pin_memory):
+        self.rows: set[int] = set()
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update) -> None:
+        if not batch_update:
+            return
+        for row in batch_update.removed:
+            self.rows.discard(row)
+        for row, params, _, _ in batch_update.added:
+            self.rows.discard(row)
+            if (params.extra_args or {}).get("explode"):
+                self.rows.add(row)
+        for a, b, direction in batch_update.moved:
+            had_a, had_b = a in self.rows, b in self.rows
+            self.rows.discard(a)
+            self.rows.discard(b)
+            if had_a:
+                self.rows.add(b)
+            if had_b and direction.name == "SWAP":
+                self.rows.add(a)
+
+    def apply(self, logits):
+        if self.rows:
+            raise RuntimeError(f"boom in rows {sorted(self.rows)}")
+        return logits

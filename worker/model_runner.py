@@ -330,7 +330,7 @@ class ModelRunner:
     def _new_batch(self) -> InputBatch:
         try:
             logitsprocs = build_logitsprocs(self.sampler_config, self.device, False)
-        except (ImportError, ValueError, TypeError) as exc:
+        except (ImportError, ValueError, TypeError, RuntimeError) as exc:
             raise ModelLoadError(f"logits_processors: {exc}") from None
         thinking = None
         if self.reasoning is not None:

@@ -1,0 +1,27 @@
+"""Shared fixtures: the tiny random model (built once per session) and a local Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Ray 2.60 turns on token auth for a new local cluster; tests say what they want.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    from tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
