@@ -7,6 +7,8 @@ forward and prepacked linears.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -40,11 +42,20 @@ def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
 
 
 def generate(model, prompt: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
-        )
+    """``n`` greedy tokens; like ignore_eos, EOS neither stops nor is suppressed (so not
+    ``min_new_tokens``, which bans EOS)."""
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
+            )
+    finally:
+        model.generation_config = saved
+    assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt):].tolist()
 
 

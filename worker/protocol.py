@@ -46,7 +46,18 @@ class _RawArray(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def of(cls, values: object) -> "_RawArray":
-        return cls(np.ascontiguousarray(values, dtype=cls.dtype).tobytes())
+        """From any array-like; values that do not fit the dtype raise ``ValueError``
+        instead of wrapping around or rounding."""
+        source = np.asarray(values)
+        array = source.astype(cls.dtype)
+        if source.size and source.dtype != cls.dtype:
+            if cls.dtype.kind == "i" and source.dtype.kind not in "iub":
+                raise ValueError(f"{cls.__name__} holds integers, got {source.dtype} values")
+            if not np.array_equal(array, source) and not (
+                cls.dtype.kind == "f" and np.allclose(array, source, rtol=1e-6, equal_nan=True)
+            ):
+                raise ValueError(f"values out of range for {cls.dtype.name}")
+        return cls(np.ascontiguousarray(array).tobytes())
 
 
 class Int32Array(_RawArray, frozen=True):
@@ -124,7 +135,7 @@ class MovedRows(msgspec.Struct, array_like=True, frozen=True):
     swap: bool = False
 
 
-class StepRequest(msgspec.Struct, kw_only=True, frozen=True):
+class StepRequest(msgspec.Struct, kw_only=True, frozen=True, tag="step"):
     """One engine step for one worker: the batch changes, then what to run.
 
     Changes apply in order: ``removed``, ``added`` (into the given rows; a row freed this
@@ -154,7 +165,7 @@ class RowError(msgspec.Struct, array_like=True, frozen=True):
     message: str
 
 
-class StepReply(msgspec.Struct, kw_only=True, frozen=True):
+class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     """What one step produced, as flat arrays in row order.
 
     ``num_sampled[row]`` tokens per row (0 while a row is still prefilling, more than 1
@@ -192,12 +203,19 @@ class StepReply(msgspec.Struct, kw_only=True, frozen=True):
 # -- encoding --------------------------------------------------------------------------
 
 
+class _Header(msgspec.Struct):
+    """Read first, so that a message from another version fails on its version."""
+
+    version: int
+
+
 class Codec:
     """msgpack encoder/decoders for both message kinds (build one per process: msgspec
     encoders cannot be pickled, so a Ray actor makes its own)."""
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._header_decoder = msgspec.msgpack.Decoder(_Header)
         self._step_decoder = msgspec.msgpack.Decoder(StepRequest)
         self._reply_decoder = msgspec.msgpack.Decoder(StepReply)
 
@@ -205,22 +223,23 @@ class Codec:
         return self._encoder.encode(message)
 
     def decode_step(self, data: bytes) -> StepRequest:
-        return _checked(self._step_decoder, data, "step message")
+        return self._checked(self._step_decoder, data, "step message")
 
     def decode_reply(self, data: bytes) -> StepReply:
-        return _checked(self._reply_decoder, data, "step reply")
+        return self._checked(self._reply_decoder, data, "step reply")
 
-
-def _checked(decoder: msgspec.msgpack.Decoder, data: bytes, what: str):
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
-    try:
-        message = decoder.decode(data)
-    except msgspec.DecodeError as exc:  # ValidationError included; it names the field
-        raise ProtocolError(f"malformed {what}: {exc}") from None
-    if message.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"{what}: protocol version {message.version} at $.version, this side speaks "
-            f"{PROTOCOL_VERSION}"
-        )
-    return message
+    def _checked(self, decoder: msgspec.msgpack.Decoder, data: bytes, what: str):
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
+        try:
+            version = self._header_decoder.decode(data).version
+            if version != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"{what}: protocol version {version} at $.version, this side speaks "
+                    f"{PROTOCOL_VERSION}"
+                )
+            return decoder.decode(data)
+        # ValidationError (a DecodeError) names the field; bad UTF-8 in a string raises
+        # UnicodeDecodeError.
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"malformed {what}: {exc}") from None

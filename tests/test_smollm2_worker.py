@@ -1,0 +1,63 @@
+"""The embedded default model (SmolLM2-135M-Instruct) through the Ray worker actor,
+token for token against transformers' ``generate``."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sampler.params import SamplingParams
+from worker.actor import create_worker, decode_info
+from worker.model_loader import default_model_path
+from worker.protocol import WorkerConfig
+from worker_driver import MiniDriver
+from test_model_runner import assert_greedy_equal, generate
+
+pytestmark = pytest.mark.smollm2
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a five year old in two sentences.",
+    "List three prime numbers.",
+    "Hi!",
+    "Translate 'good morning' into Spanish and German, and say which language has more speakers.",
+    "What does a Ray actor do? Answer briefly, like a teacher speaking to a new student on their first day.",
+    "2+2=",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> str:
+    return str(default_model_path())
+
+
+def test_smollm2_greedy_through_the_actor_matches_generate(ray_local, smollm2_path):
+    import ray
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ps = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    ps = [p if isinstance(p, list) else p["input_ids"] for p in ps]
+    assert len({len(p) for p in ps}) > 4  # different lengths
+    actor = create_worker()
+    info = decode_info(ray.get(actor.load.remote(msgspec.msgpack.encode(WorkerConfig(max_num_seqs=4, max_model_len=512)))))
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    d = MiniDriver(lambda b: ray.get(actor.step.remote(b)), max_rows=4, token_budget=64, chunk=24)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(ps):
+        d.submit(f"q{i}", p, params, arrival_step=2 * i)
+    done = d.run()
+    ray.kill(actor)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    texts = []
+    for i, p in enumerate(ps):
+        out = done[f"q{i}"].output
+        assert len(out) == 32
+        assert_greedy_equal(reference, p, out, generate(reference, p, 32))
+        texts.append(tok.decode(out))
+    assert "Paris" in texts[0]
