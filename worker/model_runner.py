@@ -127,14 +127,14 @@ class ModelRunner:
             ]
             return StepReply(
                 version=PROTOCOL_VERSION, step_id=step.step_id, error=str(exc), failed=failed,
-                num_sampled=Int32Array.of(np.zeros(n)),
+                num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)),
             )
 
     def _run(self, step_id: int, scheduled: np.ndarray, t0: float) -> StepReply:
         batch, n = self.batch, self.batch.batch_size
         rows = np.flatnonzero(scheduled)
         if len(rows) == 0:
-            return StepReply(version=PROTOCOL_VERSION, step_id=step_id, num_sampled=Int32Array.of(np.zeros(n)))
+            return StepReply(version=PROTOCOL_VERSION, step_id=step_id, num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)))
         computed = batch.num_computed[rows].copy()
         known = batch.num_tokens[rows]
         count = scheduled[rows].copy()
