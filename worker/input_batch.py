@@ -220,10 +220,24 @@ class InputBatch:
 
     def _clear_row(self, row: int) -> None:
         req = self.requests[row]
-        if req is not None:
-            self.row_of.pop(req.request_id, None)
+        if req is not None and self.row_of.get(req.request_id) == row:
+            del self.row_of[req.request_id]
         self.requests[row] = None
-        self.num_tokens[row] = self.num_computed[row] = 0
+        self._reset_row(row)
+
+    def _reset_row(self, row: int) -> None:
+        """An empty row holds the defaults (nothing of its last request lingers)."""
+        self.num_tokens[row] = self.num_prompt_tokens[row] = self.num_computed[row] = 0
+        self.temperature[row] = 1.0
+        self.greedy[row] = False
+        self.top_k[row] = self.vocab_size
+        self.top_p[row] = 1.0
+        self.repetition_penalty[row] = 1.0
+        self.frequency_penalty[row] = self.presence_penalty[row] = 0.0
+        self.num_logprobs[row] = self.num_prompt_logprobs[row] = NO_LOGPROBS
+        self.has_allowed[row] = False
+        if self.allowed_banned is not None:
+            self.allowed_banned[row] = False
 
     def _place(self, row: int, req: CachedRequest) -> None:
         self._clear_row(row)
@@ -273,10 +287,10 @@ class InputBatch:
             self.requests[a], self.requests[b] = req_b, req_a
             self.row_of[req_b.request_id] = a
         else:
-            if req_b is not None:
-                self.row_of.pop(req_b.request_id, None)
+            if req_b is not None and self.row_of.get(req_b.request_id) == b:
+                del self.row_of[req_b.request_id]
             self.requests[b], self.requests[a] = req_a, None
-            self.num_tokens[a] = self.num_computed[a] = 0
+            self._reset_row(a)
         self.row_of[req_a.request_id] = b
 
     # -- after a step -----------------------------------------------------------------
