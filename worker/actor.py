@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import ray
+import torch
 
 from worker.protocol import Codec, WorkerConfig, WorkerInfo
 
@@ -36,6 +37,11 @@ class Worker:
 
         if isinstance(config, (bytes, bytearray)):
             config = msgspec.msgpack.decode(config, type=WorkerConfig)
+        threads = config.num_threads or _assigned_cpus()
+        if threads:
+            # Ray starts actors with OMP_NUM_THREADS=num_cpus, but torch may have been
+            # initialised before; say it explicitly.
+            torch.set_num_threads(threads)
         self._runner = ModelRunner(config)
         return msgspec.msgpack.encode(self._runner.info)
 
@@ -49,6 +55,7 @@ class Worker:
     def health(self) -> dict[str, Any]:
         runner = self._runner
         return {
+            "torch_threads": torch.get_num_threads(),
             "loaded": runner is not None,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
@@ -73,6 +80,13 @@ class Worker:
         """Forgets every request; the model stays loaded."""
         if self._runner is not None:
             self._runner.reset()
+
+
+def _assigned_cpus() -> int | None:
+    if not ray.is_initialized():
+        return None
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    return max(1, int(round(cpus))) if cpus else None
 
 
 def create_worker(

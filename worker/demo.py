@@ -35,7 +35,7 @@ def main() -> None:
 
     from worker.model_loader import default_model_path
 
-    actor = create_worker()
+    actor = create_worker(num_cpus=ray.available_resources().get("CPU", 1))
     config = WorkerConfig(model=args.model, max_num_seqs=8, max_model_len=1024, num_spec_tokens=args.num_spec_tokens)
     info = decode_info(ray.get(actor.load.remote(msgspec.msgpack.encode(config))))
     tok = AutoTokenizer.from_pretrained(args.model or str(default_model_path()))

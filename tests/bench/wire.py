@@ -235,7 +235,7 @@ def make_reply(rng: np.random.Generator) -> StepReply:
     return StepReply(
         version=PROTOCOL_VERSION,
         step_id=123_456,
-        num_sampled=Int32Array.of(np.ones(BATCH)),
+        num_sampled=Int32Array.of(np.ones(BATCH, dtype=np.int32)),
         sampled_token_ids=Int32Array.of(sampled),
         logprobs_width=width,
         logprob_token_ids=Int32Array.of(top.ravel()),
