@@ -15,7 +15,7 @@ batch changed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -317,10 +317,11 @@ class InputBatch:
             md = self._metadata = self._build_metadata()
         gens = md.generators
         if sampling_rows is not None and gens:
-            gens = {r: g for r, g in gens.items() if r in set(sampling_rows.tolist())}
+            sampling = set(sampling_rows.tolist())
+            gens = {r: g for r, g in gens.items() if r in sampling}
         if gens is md.generators and spec_token_ids is None:
             return md
-        return _replace(md, generators=gens, spec_token_ids=spec_token_ids)
+        return replace(md, generators=gens, spec_token_ids=spec_token_ids)
 
     def _build_metadata(self) -> SamplingMetadata:
         n, dev = self.batch_size, self.device
@@ -392,8 +393,3 @@ def _width(value: int | None, vocab: int) -> int:
         return NO_LOGPROBS
     return vocab if value == -1 else value
 
-
-def _replace(md: SamplingMetadata, **changes) -> SamplingMetadata:
-    from dataclasses import replace
-
-    return replace(md, **changes)

@@ -245,8 +245,9 @@ class ModelRunner:
         raw_lp = None
         if md.max_num_logprobs is not None and spec:
             raw_lp = torch.log_softmax(logits.float(), dim=-1)  # before in-place sampling
-        last = torch.from_numpy(np.cumsum(width) - 1).to(self.device)
-        bonus = logits if not spec else logits[last]
+        bonus = logits
+        if spec:  # each row's last logits position predicts its bonus token
+            bonus = logits[torch.from_numpy(np.cumsum(width) - 1).to(self.device)]
         if not all_rows:
             dense = bonus.new_zeros(n, bonus.shape[1])
             dense[torch.from_numpy(s_rows).to(self.device)] = bonus
