@@ -3,4 +3,5 @@
 Modules, one idea each:
   outputs      RequestOutput, CompletionOutput, RequestMetrics
   detokenizer  incremental detokenization and stop strings for one sequence
+  sequence     one sample of a request: tokens, text, logprobs, finish rules
 """

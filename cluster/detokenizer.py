@@ -55,9 +55,10 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Adds one token; returns the stop string it completed (the text is then cut
-        per ``include_stop_str_in_output``), else None."""
+        per ``include_stop_str_in_output``), else None. ``check_stop=False`` before
+        ``min_tokens`` is reached."""
         self._ids.append(int(token_id))
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self._ids[self.prefix_offset :])
@@ -68,7 +69,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         before = len(self.output_text)
         self.output_text += delta
-        return self._check_stop(before)
+        return self._check_stop(before) if check_stop else None
 
     def _check_stop(self, new_from: int) -> str | None:
         for s in self.stop:

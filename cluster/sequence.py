@@ -1,0 +1,110 @@
+"""Sequence: one sample of a request, carrying its own token state, text, logprobs and
+finish rules (vLLM's order: EOS, stop token ids, stop strings, then length)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import numpy as np
+
+from cluster.detokenizer import IncrementalDetokenizer
+from sampler.logprobs import FlatLogprobs
+from sampler.params import SamplingParams
+
+
+class Sequence:
+    def __init__(
+        self,
+        seq_id: str,
+        index: int,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        max_model_len: int,
+    ) -> None:
+        self.seq_id = seq_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_model_len = max_model_len
+        self.output_token_ids: list[int] = []
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, self.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.logprobs: FlatLogprobs | None = FlatLogprobs() if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._eos = set() if params.ignore_eos else set(params.eos_token_ids or ())
+        self._stop_ids = set(params.stop_token_ids or ())
+        # Streaming bookkeeping (DELTA outputs).
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append(
+        self,
+        token_ids: Seq[int],
+        logprob_ids: np.ndarray | None = None,
+        logprob_values: np.ndarray | None = None,
+        logprob_ranks: np.ndarray | None = None,
+    ) -> int:
+        """Adds a step's tokens (several under speculative decoding) up to the first
+        that finishes the sequence; returns how many were kept. Logprob arrays are
+        ``[tokens, width]`` with the sampled token first."""
+        kept = 0
+        for j, token in enumerate(token_ids):
+            if self.finished:
+                break
+            token = int(token)
+            self.output_token_ids.append(token)
+            kept += 1
+            if self.logprobs is not None and logprob_ids is not None:
+                self._record_logprobs(logprob_ids[j], logprob_values[j], int(logprob_ranks[j]))
+            self._after_token(token)
+        return kept
+
+    def _record_logprobs(self, ids: np.ndarray, values: np.ndarray, rank: int) -> None:
+        k = self.params.logprobs
+        width = len(ids) if k == -1 else min(k + 1, len(ids))
+        ids, values = ids[:width], values[:width]
+        texts = self.detokenizer.decode_tokens(ids.tolist())
+        self.logprobs.extend_arrays(ids[None, :], values[None, :], np.array([rank]), texts)
+        self.cumulative_logprob += float(values[0])
+
+    def _after_token(self, token: int) -> None:
+        n = len(self.output_token_ids)
+        p = self.params
+        if n >= p.min_tokens:
+            if token in self._eos:
+                self.finish_reason, self.stop_reason = "stop", None
+            elif token in self._stop_ids:
+                self.finish_reason, self.stop_reason = "stop", token
+            if self.finished:
+                if p.include_stop_str_in_output:
+                    self.detokenizer.append(token, check_stop=False)
+                return
+            stop = self.detokenizer.append(token)
+            if stop is not None:
+                self.finish_reason, self.stop_reason = "stop", stop
+                return
+        else:
+            self.detokenizer.append(token, check_stop=False)  # stop strings count from min_tokens on
+        if (p.max_tokens is not None and n >= p.max_tokens) or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+
+    def finish(self, reason: str) -> None:
+        """Ends the sequence from outside ("abort", "error")."""
+        if not self.finished:
+            self.finish_reason = reason
