@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sampler.logprobs import FlatLogprobs
 
@@ -53,4 +53,3 @@ class RequestOutput:
     #: set when the request ended with an error (a logits processor raised, ...)
     error: str | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

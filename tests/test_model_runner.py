@@ -18,7 +18,7 @@ from sampler.params import SamplingParams
 from worker.actor import Worker
 from worker.model_loader import ModelLoadError, load_model
 from worker.protocol import WorkerConfig
-from worker_driver import MiniDriver, greedy_divergence
+from worker_driver import MiniDriver, Req, greedy_divergence
 
 NEAR_TIE = 1e-4
 
@@ -101,7 +101,7 @@ def test_resumed_request_continues_like_an_unbroken_one(tiny_model_path, referen
     p = prompts(400, [25], seed=5)[0]
     ref = generate(reference, p, 24)
     driver = MiniDriver(w.step, max_rows=2)
-    driver.waiting.append(__import__("worker_driver").Req("x", p, GREEDY.clone(max_tokens=24), output=ref[:10]))
+    driver.waiting.append(Req("x", p, GREEDY.clone(max_tokens=24), output=ref[:10]))
     done = driver.run()
     assert_greedy_equal(reference, p, done["x"].output, ref)
 

@@ -13,8 +13,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from sampler.params import SamplingParams
 from worker.protocol import (
     PROTOCOL_VERSION,
@@ -221,7 +219,3 @@ def greedy_divergence(model, prompt: list[int], ours: list[int], reference: list
     if len(ours) != len(reference):
         return n, float("inf")
     return None
-
-
-def rows_as_array(values: list[int]) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32)

@@ -134,6 +134,19 @@ class InputBatch:
         return update
 
     def _validate(self, step: StepRequest) -> list[CachedRequest]:
+        n = step.batch_size
+        if n > self.max_rows:
+            raise ProtocolError(f"batch_size {n} exceeds max_num_seqs {self.max_rows}")
+        if not (step.removed or step.added or step.moved):  # a quiet step: no shadow
+            if n != self.batch_size:
+                rows = list(range(self.batch_size, n)) or list(range(n, self.batch_size))
+                what = "hold no request after the update" if n > self.batch_size else "past the batch still hold requests"
+                raise ProtocolError(f"batch_size {n}: rows {rows} {what}")
+            self._check_scheduled(
+                step, self.num_computed[:n], self.num_tokens[:n],
+                lambda row: self.requests[row].request_id,
+            )
+            return []
         shadow: list[_ShadowRow | None] = [
             None if r is None else _ShadowRow(
                 r.request_id, int(self.num_computed[i]), int(self.num_tokens[i])
@@ -166,9 +179,6 @@ class InputBatch:
                 shadow[m.a], shadow[m.b] = shadow[m.b], shadow[m.a]
             else:
                 shadow[m.b], shadow[m.a] = shadow[m.a], None
-        n = step.batch_size
-        if n > self.max_rows:
-            raise ProtocolError(f"batch_size {n} exceeds max_num_seqs {self.max_rows}")
         holes = [r for r in range(n) if shadow[r] is None]
         if holes:
             raise ProtocolError(f"batch_size {n}: rows {holes} hold no request after the update")
@@ -179,19 +189,29 @@ class InputBatch:
         if len(set(ids)) != len(ids):
             dup = next(x for x in ids if ids.count(x) > 1)
             raise ProtocolError(f"request {dup!r} holds more than one row")
-        sched = step.num_scheduled_tokens.numpy()
-        if len(sched) != n:
-            raise ProtocolError(
-                f"num_scheduled_tokens has {len(sched)} entries for batch_size {n}"
-            )
-        for row, count in enumerate(sched.tolist()):
-            s = shadow[row]
-            if count < 0 or s.num_computed + count > s.num_tokens:
-                raise ProtocolError(
-                    f"num_scheduled_tokens[{row}] = {count}: request {s.request_id!r} has "
-                    f"{s.num_tokens - s.num_computed} tokens left to run"
-                )
+        self._check_scheduled(
+            step,
+            np.fromiter((s.num_computed for s in shadow[:n]), np.int64, n),
+            np.fromiter((s.num_tokens for s in shadow[:n]), np.int64, n),
+            lambda row: shadow[row].request_id,
+        )
         return built
+
+    @staticmethod
+    def _check_scheduled(step: StepRequest, computed: np.ndarray, known: np.ndarray, request_id) -> None:
+        """Every row runs between 0 and its not-yet-computed tokens."""
+        sched = step.num_scheduled_tokens.numpy()
+        if len(sched) != step.batch_size:
+            raise ProtocolError(
+                f"num_scheduled_tokens has {len(sched)} entries for batch_size {step.batch_size}"
+            )
+        bad = np.flatnonzero((sched < 0) | (computed + sched > known))
+        if len(bad):
+            row = int(bad[0])
+            raise ProtocolError(
+                f"num_scheduled_tokens[{row}] = {int(sched[row])}: request "
+                f"{request_id(row)!r} has {int(known[row] - computed[row])} tokens left to run"
+            )
 
     def _check_added(self, a, where: str) -> CachedRequest:
         prompt = a.prompt_token_ids.numpy()

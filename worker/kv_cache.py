@@ -90,6 +90,10 @@ class AttentionPlan:
     layers of one forward)."""
 
     cache: RowKVCache
+    # The packing, on the host: row i's tokens start at starts[i] of the sequence.
+    starts: np.ndarray  # [rows]
+    host_token_rows: np.ndarray  # [T]
+    host_token_positions: np.ndarray  # [T]
     token_rows: torch.Tensor  # [T] row of each packed token
     token_positions: torch.Tensor  # [T] position of each packed token in its row
     # Rows with short queries, attended together.
@@ -113,11 +117,9 @@ class AttentionPlan:
     ) -> "AttentionPlan":
         """``rows[i]`` runs ``num_tokens[i]`` tokens after ``num_computed[i]`` cached
         ones; the packed sequence holds row ``rows[0]``'s tokens first, and so on."""
-        starts = np.concatenate([[0], np.cumsum(num_tokens)[:-1]]).astype(np.int64)
-        total = int(num_tokens.sum())
+        starts = (np.cumsum(num_tokens) - num_tokens).astype(np.int64)
         token_rows = np.repeat(rows, num_tokens)
-        offsets = np.arange(total, dtype=np.int64) - np.repeat(starts, num_tokens)
-        token_positions = np.repeat(num_computed, num_tokens) + offsets
+        token_positions = concat_ranges(num_computed, num_tokens)
         short = num_tokens <= BATCHED_QUERY_MAX
         b_rows, b_start, b_n = rows[short], starts[short], num_tokens[short]
         b_kv = num_computed[short] + b_n
@@ -147,6 +149,9 @@ class AttentionPlan:
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
         return cls(
             cache=cache,
+            starts=starts,
+            host_token_rows=token_rows,
+            host_token_positions=token_positions,
             token_rows=as_long(token_rows),
             token_positions=as_long(token_positions),
             batched_rows=None if contiguous or nb == 0 else as_long(b_rows),
@@ -158,6 +163,13 @@ class AttentionPlan:
             batched_query_len=q,
             prefill=prefill,
         )
+
+
+def concat_ranges(first: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(f, f + w) for f, w in zip(first, width)])``, vectorised."""
+    width = np.asarray(width, dtype=np.int64)
+    offsets = np.arange(int(width.sum()), dtype=np.int64) - np.repeat(np.cumsum(width) - width, width)
+    return np.repeat(np.asarray(first, dtype=np.int64), width) + offsets
 
 
 def row_attention(

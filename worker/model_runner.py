@@ -23,7 +23,7 @@ from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 from worker.input_batch import NO_LOGPROBS, InputBatch
 from worker.cpu_linear import pack_linear_layers
-from worker.kv_cache import ATTENTION_NAME, AttentionPlan, RowKVCache
+from worker.kv_cache import ATTENTION_NAME, AttentionPlan, RowKVCache, concat_ranges
 from worker.model_loader import LoadedModel, ModelLoadError, load_model
 from worker.ngram_proposer import NgramProposer
 from worker.protocol import (
@@ -142,13 +142,11 @@ class ModelRunner:
         num_drafts = self._propose_drafts(rows, count, samples)
         count += num_drafts
 
-        starts = np.concatenate([[0], np.cumsum(count)[:-1]])
-        total = int(count.sum())
-        token_rows = np.repeat(rows, count)
-        positions = np.repeat(computed, count) + np.arange(total) - np.repeat(starts, count)
-        input_ids = torch.from_numpy(batch.token_ids[token_rows, positions]).to(self.device)
-        position_ids = torch.from_numpy(positions).to(self.device)
         plan = AttentionPlan.build(self.kv, rows, computed, count, self.device)
+        starts = plan.starts
+        input_ids = batch.token_ids[plan.host_token_rows, plan.host_token_positions]
+        input_ids = torch.from_numpy(input_ids).to(self.device)
+        position_ids = plan.token_positions
 
         # Logits wanted: each sampling row's last real token plus its drafts, in row
         # order; then the prompt-logprob positions.
@@ -156,7 +154,7 @@ class ModelRunner:
         s_rows = rows[s_idx]
         s_width = num_drafts[s_idx] + 1
         s_first = starts[s_idx] + count[s_idx] - s_width
-        keep = [_ranges(s_first, s_width)]
+        keep = [concat_ranges(s_first, s_width)]
         prompt_chunks = self._prompt_logprob_chunks(rows, computed, count, starts)
         keep += [np.arange(s, s + m) for _, s, m, _ in prompt_chunks]
         keep_t = torch.from_numpy(np.concatenate(keep)).to(self.device)
@@ -365,15 +363,6 @@ class ModelRunner:
             report["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             report["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         return report
-
-
-def _ranges(first: np.ndarray, width: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(first[i], first[i] + width[i])``."""
-    if len(first) == 0:
-        return np.zeros(0, dtype=np.int64)
-    total = int(width.sum())
-    offsets = np.arange(total) - np.repeat(np.cumsum(width) - width, width)
-    return np.repeat(first, width) + offsets
 
 
 def _default_kv_budget(device: torch.device) -> int:

@@ -28,6 +28,7 @@ import pickle
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -55,37 +56,15 @@ PICKLE_PROTOCOL = 5
 
 # -- the naive equivalents (plain dataclasses, lists of Python numbers) ------------------
 
-@dataclasses.dataclass
-class NaiveSamplingParams:
-    """SamplingParams' fields and defaults as a plain dataclass (no validation)."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    thinking_token_budget: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    output_kind: int = 0
-    extra_args: dict[str, Any] | None = None
-    bad_words_token_ids: list[list[int]] | None = None
-    eos_token_ids: list[int] | None = None
+#: SamplingParams' fields and defaults as a plain dataclass (no validation), derived
+#: from the Struct so the two never drift apart.
+NaiveSamplingParams = dataclasses.make_dataclass(
+    "NaiveSamplingParams",
+    [(f.name, Any, dataclasses.field(default=f.default) if f.default is not msgspec.NODEFAULT
+      else dataclasses.field(default_factory=f.default_factory))
+     for f in msgspec.structs.fields(SamplingParams)],
+)
+NaiveSamplingParams.__module__ = __name__  # so that pickle finds it
 
 
 @dataclasses.dataclass
