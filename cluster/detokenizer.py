@@ -88,6 +88,12 @@ class IncrementalDetokenizer:
         self._streamed = end
         return delta
 
+    def visible_text(self, finished: bool) -> str:
+        """The whole text so far, less the hold-back while running (cumulative outputs)."""
+        if finished or not self.holdback:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self.holdback)]
+
     def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own text (for logprobs), one decode call for all of them."""
         return self.tokenizer.batch_decode([[t] for t in token_ids], skip_special_tokens=False)

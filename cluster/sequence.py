@@ -1,5 +1,6 @@
 """Sequence: one sample of a request, carrying its own token state, text, logprobs and
-finish rules (vLLM's order: EOS, stop token ids, stop strings, then length)."""
+finish rules (vLLM's order: EOS, stop token ids, stop strings, then length), plus the
+little the scheduler needs to place it (row, computed tokens, KV blocks held)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Sequence:
         max_model_len: int,
     ) -> None:
         self.seq_id = seq_id
+        self.request: Any = None  # the owning cluster.request.Request
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -44,6 +46,26 @@ class Sequence:
         # Streaming bookkeeping (DELTA outputs).
         self.sent_tokens = 0
         self.sent_logprobs = 0
+        self.sent_finished = False
+        # Scheduling state (cluster/scheduler.py).
+        self.priority = 0
+        self.order = 0  # arrival counter: FCFS order, ties in priority
+        self.num_computed_tokens = 0
+        self.num_kv_blocks = 0
+        self.row: int | None = None
+        self.num_preemptions = 0
+        #: prompt-logprob positions the current placement has sent (a resumed sequence
+        #: recomputes its prompt; positions already recorded are skipped)
+        self.prompt_logprobs_seen = 0
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first and is preempted last (vLLM: priority, then arrival)."""
+        return (self.priority, self.order)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:

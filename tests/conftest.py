@@ -17,11 +17,19 @@ def tiny_model_path(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
-@pytest.fixture(scope="session")
-def ray_local():
+def start_local_ray():
+    """The local Ray every test shares (4 logical CPUs); multi-node tests shut it down,
+    use their own cluster, then call this again."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    yield start_local_ray()
+    import ray
+
     ray.shutdown()

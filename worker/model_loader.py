@@ -112,25 +112,11 @@ def load_model(
     max_model_len: int | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dev = choose_device(device)
     torch_dtype = choose_dtype(dev, dtype)
-    gguf_file = None
-    if model is None:
-        path, name = str(default_model_path()), DEFAULT_MODEL_NAME
-    elif model.endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise ModelLoadError(f"model file {model} does not exist")
-        path, gguf_file, name = os.path.dirname(os.path.abspath(model)), os.path.basename(model), model
-    else:
-        name, path = model, os.path.expanduser(model)
-        if not os.path.exists(path) and model.startswith(("/", ".", "~")):
-            raise ModelLoadError(f"model path {model} does not exist")
-
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
+    path, name, kwargs = _resolve(model, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -150,10 +136,7 @@ def load_model(
     except OSError as exc:
         raise ModelLoadError(f"cannot load {name}: {exc}") from None
     hf_model.to(dev).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ModelLoadError(f"{name} has no usable tokenizer: {exc}") from None
+    tokenizer = _tokenizer(path, name, kwargs)
 
     eos = _eos_token_ids(hf_model, tokenizer)
     if not eos:
@@ -165,6 +148,38 @@ def load_model(
     elif max_model_len > limit:
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
     return LoadedModel(hf_model, tokenizer, name, dev, torch_dtype, vocab, eos, max_model_len)
+
+
+def _resolve(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
+    """(folder to load from, display name, from_pretrained keyword arguments)."""
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if model is None:
+        return str(default_model_path()), DEFAULT_MODEL_NAME, kwargs
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ModelLoadError(f"model file {model} does not exist")
+        kwargs["gguf_file"] = os.path.basename(model)
+        return os.path.dirname(os.path.abspath(model)), model, kwargs
+    path = os.path.expanduser(model)
+    if not os.path.exists(path) and model.startswith(("/", ".", "~")):
+        raise ModelLoadError(f"model path {model} does not exist")
+    return path, model, kwargs
+
+
+def _tokenizer(path: str, name: str, kwargs: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{name} has no usable tokenizer: {exc}") from None
+
+
+def load_tokenizer(model: str | None = None, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """The model's tokenizer and display name, resolved exactly as ``load_model`` does
+    (the driver detokenizes with it)."""
+    path, name, kwargs = _resolve(model, trust_remote_code)
+    return _tokenizer(path, name, kwargs), name
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

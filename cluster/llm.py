@@ -1,0 +1,125 @@
+"""LLM: the synchronous batch client (vLLM's offline ``LLM`` shape)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.inputs import Conversation, PromptType, is_single_prompt, render_chat
+from cluster.outputs import RequestOutput
+from sampler.params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """``LLM()`` serves the embedded SmolLM2 on a local Ray; keyword arguments are
+    ``EngineConfig`` fields (``model``, ``num_workers``, ``address``, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order. Every
+        prompt is validated before any is queued (a bad one raises ``ValueError``)."""
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self.engine.make_request(
+                    f"{next(self._ids)}", prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                    priority=priority[i] if priority is not None else 0,
+                ))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to conversations (one, or a list of them) rendered with the
+        tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            render_chat(c, self.tokenizer, add_generation_prompt=add_generation_prompt,
+                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if not isinstance(params, (list, tuple)):
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}")
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
+        return params
+
+    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        for r in requests:
+            engine.enqueue(r)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        prompt_tokens = out_tokens = 0
+        try:
+            while len(results) < len(requests):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        prompt_tokens += len(out.prompt_token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"input: {prompt_tokens / elapsed:.0f} tok/s, output: {out_tokens / elapsed:.0f} tok/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r.request_id for r in requests if r.request_id not in results])
+            engine.step(timeout=0)
+            raise
+        finally:
+            bar.close()
+        return [results[r.request_id] for r in requests]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

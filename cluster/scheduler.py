@@ -1,0 +1,243 @@
+"""Continuous batching for one worker: which sequences run in the next step, in which
+rows, with how many tokens.
+
+Sequences wait in one ``WaitingQueue`` shared by all workers (lowest priority value,
+then earliest arrival, first). Each worker has a ``WorkerScheduler`` that owns its rows
+and its KV budget and records every row change with ``BatchUpdateBuilder`` the way the
+seeds describe: finished, aborted or preempted rows are registered as removed; new
+sequences take the lowest freed row (``pop_removed``) or grow the batch; remaining holes
+are condensed by moving the highest occupied row into the lowest hole (unidirectional
+moves). The resulting ``BatchUpdate`` becomes the step message.
+
+Per step: running sequences first, in (priority, arrival) order, each taking its
+uncomputed tokens up to the step's token budget (long prefills in chunks), then waiting
+sequences while rows, budget, KV blocks and the worker's fair share allow. When a running
+sequence needs KV blocks that are not free, the newest running sequence (the highest
+(priority, arrival)) is preempted: its row and blocks are freed and it goes back to the
+waiting queue with its tokens so far, to be added again later with its output tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from cluster.sequence import Sequence
+from sampler.logits_processor import BatchUpdateBuilder, MoveDirectionality
+from worker.protocol import PROTOCOL_VERSION, AddedRequest, Int32Array, MovedRows, StepRequest
+
+
+class WaitingQueue:
+    """Sequences waiting for a row, lowest ``(priority, arrival, index)`` first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, Sequence]] = []
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (seq.priority, seq.order, seq.index, seq))
+
+    def peek(self) -> Sequence | None:
+        return self._heap[0][3] if self._heap else None
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, seq: Sequence) -> bool:
+        for i, entry in enumerate(self._heap):
+            if entry[3] is seq:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
+
+
+@dataclass
+class ScheduledStep:
+    """A step as sent, and what the reply will be matched against."""
+
+    message: StepRequest
+    #: the sequence in each row of the batch at this step
+    rows: list[Sequence]
+    #: tokens run per row (0: the row waits this step)
+    num_tokens: list[int]
+
+
+class WorkerScheduler:
+    def __init__(
+        self,
+        max_rows: int,
+        max_num_batched_tokens: int,
+        kv_blocks: int,
+        kv_block_size: int,
+        long_prefill_token_threshold: int | None = None,
+        num_spec_tokens: int = 0,
+    ) -> None:
+        self.max_rows = max_rows
+        self.token_budget = max_num_batched_tokens
+        self.chunk_limit = long_prefill_token_threshold or max_num_batched_tokens
+        self.kv_blocks = kv_blocks
+        self.free_blocks = kv_blocks
+        self.block_size = kv_block_size
+        self.num_spec_tokens = num_spec_tokens
+        self.rows: list[Sequence | None] = []
+        self.builder = BatchUpdateBuilder()
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for s in self.rows if s is not None]
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self.rows)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    # -- leaving ------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Takes ``seq`` out of its row (finished or aborted) and frees its KV blocks; the
+        removal travels with the next step."""
+        row = seq.row
+        if row is None or row >= len(self.rows) or self.rows[row] is not seq:
+            raise ValueError(f"sequence {seq.seq_id} holds no row here")
+        self.rows[row] = None
+        self.builder.removed_append(row)
+        self.free_blocks += seq.num_kv_blocks
+        seq.num_kv_blocks = 0
+        seq.row = None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees ``seq`` and forgets its computed tokens; the caller re-queues it."""
+        self.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def release_all(self) -> list[Sequence]:
+        """Every sequence this worker held (it died); the rows and budget start afresh."""
+        seqs = self.running
+        for seq in seqs:
+            seq.row, seq.num_kv_blocks, seq.num_computed_tokens = None, 0, 0
+        self.rows = []
+        self.builder = BatchUpdateBuilder()
+        self.free_blocks = self.kv_blocks
+        return seqs
+
+    # -- one step -----------------------------------------------------------------------
+
+    def schedule(self, waiting: WaitingQueue, share: int) -> tuple[ScheduledStep | None, list[Sequence]]:
+        """The next step (None when there is nothing to send) and the sequences preempted
+        while building it (already pushed back onto ``waiting``). ``share`` caps how many
+        sequences this worker may hold, so data-parallel workers split the load."""
+        budget = self.token_budget
+        planned: dict[int, int] = {}  # id(seq) -> tokens
+        preempted: list[Sequence] = []
+
+        running = sorted(self.running, key=lambda s: s.sort_key)
+        while running and budget > 0:
+            seq = running.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget, self.chunk_limit)
+            if n <= 0:
+                continue
+            need = self._blocks_needed(seq, n)
+            while need > self.free_blocks and running:
+                victim = running.pop()  # the newest running sequence
+                self.preempt(victim)
+                preempted.append(victim)
+            if need > self.free_blocks:  # nothing left to take from: it waits itself
+                self.preempt(seq)
+                preempted.append(seq)
+                break
+            self._allocate(seq, need)
+            planned[id(seq)] = n
+            budget -= n
+        for seq in preempted:
+            waiting.push(seq)
+
+        num_held = self.num_running
+        while waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted:
+            seq = waiting.peek()
+            n = min(seq.num_tokens, budget, self.chunk_limit)
+            need = self._blocks_needed(seq, n)
+            if need > self.free_blocks:
+                break
+            waiting.pop()
+            self._allocate(seq, need)
+            self._place(seq)
+            planned[id(seq)] = n
+            budget -= n
+            num_held += 1
+
+        self._condense()
+        update = self.builder.get_and_reset(len(self.rows))
+        if update is None and not planned:
+            return None, preempted
+        rows: list[Sequence] = list(self.rows)  # no holes after condensing
+        num_tokens = [planned.get(id(seq), 0) for seq in rows]
+        message = StepRequest(
+            version=PROTOCOL_VERSION,
+            step_id=self.step_id,
+            batch_size=len(rows),
+            removed=list(update.removed) if update else [],
+            added=[
+                AddedRequest(
+                    row=row, request_id=rows[row].seq_id, params=params,
+                    prompt_token_ids=Int32Array.of(prompt), output_token_ids=Int32Array.of(output),
+                )
+                for row, params, prompt, output in (update.added if update else [])
+            ],
+            moved=[MovedRows(a, b, swap=d is MoveDirectionality.SWAP) for a, b, d in (update.moved if update else [])],
+            num_scheduled_tokens=Int32Array.of(num_tokens),
+        )
+        self.step_id += 1
+        return ScheduledStep(message, rows, num_tokens), preempted
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """Blocks ``seq`` must hold to run ``n`` more tokens (drafts included when the
+        step finishes its known tokens and may propose some)."""
+        drafts = self.num_spec_tokens if n == seq.num_uncomputed_tokens else 0
+        return max(0, self.blocks_for(seq.num_computed_tokens + n + drafts) - seq.num_kv_blocks)
+
+    def _allocate(self, seq: Sequence, blocks: int) -> None:
+        self.free_blocks -= blocks
+        seq.num_kv_blocks += blocks
+
+    def _place(self, seq: Sequence) -> None:
+        row = self.builder.pop_removed()  # the lowest freed row first
+        if row is None:
+            row = len(self.rows)
+            self.rows.append(None)
+        self.rows[row] = seq
+        seq.row = row
+        seq.prompt_logprobs_seen = 0
+        self.builder.added.append((row, seq.params, seq.prompt_token_ids, list(seq.output_token_ids)))
+        self.builder.batch_changed = True
+
+    def _condense(self) -> None:
+        """Fills holes from the top: the highest occupied row moves to the lowest hole."""
+        rows = self.rows
+        while rows and rows[-1] is None:
+            rows.pop()
+        for hole in range(len(rows)):
+            if hole >= len(rows):
+                break
+            if rows[hole] is not None:
+                continue
+            last = len(rows) - 1
+            seq = rows[last]
+            rows[hole], seq.row = seq, hole
+            rows.pop()
+            self.builder.moved.append((last, hole, MoveDirectionality.UNIDIRECTIONAL))
+            while rows and rows[-1] is None:
+                rows.pop()
