@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(PY) -m worker.demo
+	$(PY) -m cluster.demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -103,7 +103,8 @@ class LLMEngine:
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = infos[0].vocab_size
         self.eos_token_ids = list(infos[0].eos_token_ids)
-        self.max_kv_tokens = max(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
+        # Every worker must be able to hold any request alone (they share one queue).
+        self.max_kv_tokens = min(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
         self.waiting = WaitingQueue()
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()

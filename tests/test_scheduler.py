@@ -15,6 +15,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -157,7 +158,20 @@ class SimConfig:
     seed: int
 
 
+class Before(NamedTuple):
+    """A running sequence's scheduling state just before a step."""
+
+    row: int
+    computed: int
+    blocks: int
+    uncomputed: int
+    outputs: list[int]
+    preemptions: int
+
+
 class Simulation:
+    """One WorkerScheduler driven the way the engine drives it, with a shadow worker."""
+
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
@@ -217,12 +231,14 @@ class Simulation:
                 self.freed[row] = seq
 
     def step(self) -> ScheduledStep | None:
+        """Schedules one step, checks it against the state before, runs it on the shadow
+        worker and merges the reply."""
         cfg, sched = self.cfg, self.sched
         share = self.share()
         running = sorted(sched.running, key=lambda s: s.sort_key)
         before = {
-            id(s): (s.row, s.num_computed_tokens, s.num_kv_blocks, s.num_uncomputed_tokens,
-                    list(s.output_token_ids), s.num_preemptions)
+            id(s): Before(s.row, s.num_computed_tokens, s.num_kv_blocks, s.num_uncomputed_tokens,
+                          list(s.output_token_ids), s.num_preemptions)
             for s in running
         }
         waiting_before = list(self.waiting)
@@ -242,11 +258,11 @@ class Simulation:
             assert min(s.sort_key for s in preempted) >= max((s.sort_key for s in kept), default=(-1, -1))
         queued = list(self.waiting)
         for s in preempted:
-            row, _, _, _, outputs, npre = before[id(s)]
+            b = before[id(s)]
             assert s.row is None and s.num_kv_blocks == 0 and s.num_computed_tokens == 0
-            assert s.output_token_ids == outputs and s.num_preemptions == npre + 1
+            assert s.output_token_ids == b.outputs and s.num_preemptions == b.preemptions + 1
             assert any(q is s for q in queued)
-            freed[row] = s
+            freed[b.row] = s
         self.stats["preempted"] += len(preempted)
 
         if step is None:
@@ -328,7 +344,7 @@ class Simulation:
         for s, n in zip(step.rows, tokens):
             drafts = spec if n and n == s.num_uncomputed_tokens else 0
             need = self.blocks(s.num_computed_tokens + n + drafts) if n else 0
-            held = before[id(s)][2] if id(s) in before else 0
+            held = before[id(s)].blocks if id(s) in before else 0
             assert s.num_kv_blocks == max(held, need), f"{s.seq_id}: {s.num_kv_blocks} blocks"
         if preempted:
             self.check_preemption_needed(preempted, before, cfg.budget - sum(tokens))
@@ -352,7 +368,7 @@ class Simulation:
             or self.blocks(n + drafts) > self.sched.free_blocks
         ), f"{head.seq_id} could have been admitted"
 
-    def check_preemption_needed(self, preempted: list[Sequence], before: dict, left: int) -> None:
+    def check_preemption_needed(self, preempted: list[Sequence], before: dict[int, Before], left: int) -> None:
         """The last sequence preempted (the lowest key) could not have stayed: as a victim,
         the blocks it gave back were needed; preempting itself, it did not fit."""
         low = min(s.sort_key for s in preempted)
@@ -361,12 +377,12 @@ class Simulation:
         for s in preempted:
             if s.sort_key != low:
                 continue
-            _, computed, blocks, uncomputed, _, _ = before[id(s)]
-            n = min(uncomputed, left, self.chunk)
-            drafts = self.cfg.num_spec_tokens if n == uncomputed else 0
-            if free < blocks:
+            b = before[id(s)]
+            n = min(b.uncomputed, left, self.chunk)
+            drafts = self.cfg.num_spec_tokens if n == b.uncomputed else 0
+            if free < b.blocks:
                 ok = True
-            elif left > 0 and self.blocks(computed + n + drafts) > free:
+            elif left > 0 and self.blocks(b.computed + n + drafts) > free:
                 ok = True
                 self.stats["self_preempted"] += 1
         assert ok, f"preempted {ids(preempted)} with {free} blocks free"
@@ -379,9 +395,10 @@ def run_simulation(cfg: SimConfig) -> Counter[str]:
         sim.arrive()
         sim.step()
 
-    # Liveness: with arrivals stopped, the lowest key admitted is never preempted and
-    # runs a token per step, so each sequence needs at most MAX_MODEL_LEN steps per
-    # sequence running ahead of it.
+    # Liveness, arrivals stopped: the lowest key, once admitted, is never preempted and
+    # runs at least a token per step; while it waits at the head nothing else is admitted
+    # and the running sequences drain the same way. So each sequence finishes within
+    # MAX_MODEL_LEN * (max_rows + 1) steps of becoming the lowest key.
     bound = (len(sim.unfinished) + 1) * MAX_MODEL_LEN * (cfg.max_rows + 1)
     for _ in range(bound):
         sim.release(abort_rate=0.0)
@@ -521,31 +538,36 @@ def test_share_and_rows_cap_admission() -> None:
     assert ids(step.rows) == ["s0", "s1", "s2"] and len(waiting) == 2
 
 
-def kv_scenario(priorities: tuple[int, int, int]) -> tuple[WorkerScheduler, WaitingQueue, list[Sequence]]:
-    """Three 4-token prompts, block size 4, 4 blocks: after prefill (and one sampled
-    token each) every sequence holds 1 block and needs a second for its next token,
-    with 1 block free."""
-    sched, waiting = WorkerScheduler(8, 512, 4, 4), WaitingQueue()
-    seqs = [make_seq(name, 4, order=i, priority=p) for i, (name, p) in enumerate(zip("ABC", priorities))]
+def kv_scenario(
+    prompt_lens: tuple[int, int, int], priorities: tuple[int, int, int]
+) -> tuple[WorkerScheduler, WaitingQueue, list[Sequence]]:
+    """Sequences A, B, C (in arrival order), block size 4, 3 blocks: after prefill (and
+    one sampled token each) every sequence holds its 1 block and none is free; the one
+    with a 4-token prompt needs a second block for its next token, the others do not."""
+    sched, waiting = WorkerScheduler(8, 512, 3, 4), WaitingQueue()
+    seqs = [
+        make_seq(name, n, order=i, priority=p)
+        for i, (name, n, p) in enumerate(zip("ABC", prompt_lens, priorities))
+    ]
     for s in seqs:
         waiting.push(s)
     step, preempted = sched.schedule(waiting, share=8)
-    assert not preempted and sorted(ids(step.rows)) == ["A", "B", "C"] and sched.free_blocks == 1
+    assert not preempted and sorted(ids(step.rows)) == ["A", "B", "C"] and sched.free_blocks == 0
     merge_reply(step)
     assert all(s.num_kv_blocks == 1 and s.num_uncomputed_tokens == 1 for s in seqs)
     return sched, waiting, seqs
 
 
 def test_kv_shortage_preempts_the_newest() -> None:
-    sched, waiting, (a, b, c) = kv_scenario((0, 0, 0))
+    sched, waiting, (a, b, c) = kv_scenario((4, 2, 2), (0, 0, 0))
     step, preempted = sched.schedule(waiting, share=8)
-    # A takes the free block; B needs one: C, the newest, gives its block back.
+    # A needs a block: C, the newest (not B), gives its block back.
     assert preempted == [c]
     assert (c.row, c.num_kv_blocks, c.num_computed_tokens, c.num_preemptions) == (None, 0, 0, 1)
     assert c.output_token_ids == [7] and list(waiting) == [c]
     assert ids(step.rows) == ["A", "B"] and step.num_tokens == [1, 1]
-    assert step.message.removed == [2] and step.message.added == []  # no admission this step
-    assert (a.num_kv_blocks, b.num_kv_blocks, sched.free_blocks) == (2, 2, 0)
+    assert step.message.removed == [2] and step.message.added == []
+    assert (a.num_kv_blocks, b.num_kv_blocks, sched.free_blocks) == (2, 1, 0)
     merge_reply(step)
 
     # C comes back with its output once A and B are gone, and recomputes everything.
@@ -555,19 +577,20 @@ def test_kv_shortage_preempts_the_newest() -> None:
     step, _ = sched.schedule(waiting, share=8)
     (added,) = step.message.added
     assert (added.row, added.request_id, added.output_token_ids.numpy().tolist()) == (0, "C", [7])
-    assert sorted(step.message.removed) == [1] and step.num_tokens == [5]
-    assert c.num_kv_blocks == 2
+    assert step.message.removed == [1] and step.num_tokens == [3]
+    assert (c.num_kv_blocks, sched.free_blocks) == (1, 2)
 
 
 def test_kv_shortage_preempts_the_lowest_priority() -> None:
-    # Keys: C (-1, 2) < B (0, 1) < A (1, 0): admitted in that order into rows 0, 1, 2,
-    # and A is the one preempted, although it arrived first.
-    sched, waiting, (a, b, c) = kv_scenario((1, 0, -1))
+    # Keys: C (-1, 2) < B (0, 1) < A (1, 0): admitted in that order into rows 0, 1, 2.
+    # C needs a block and A, although it arrived first, is the one preempted.
+    sched, waiting, (a, b, c) = kv_scenario((2, 2, 4), (1, 0, -1))
     assert (c.row, b.row, a.row) == (0, 1, 2)
     step, preempted = sched.schedule(waiting, share=8)
     assert preempted == [a] and a.row is None and a.num_computed_tokens == 0
     assert ids(step.rows) == ["C", "B"] and step.num_tokens == [1, 1]
     assert step.message.removed == [2] and step.message.moved == []
+    assert (c.num_kv_blocks, b.num_kv_blocks, sched.free_blocks) == (2, 1, 0)
 
 
 def test_sequence_with_nothing_newer_preempts_itself_and_is_retried() -> None:
@@ -576,7 +599,8 @@ def test_sequence_with_nothing_newer_preempts_itself_and_is_retried() -> None:
     sched, waiting = WorkerScheduler(8, 16, 3, 4), WaitingQueue()
     a = make_seq("A", 2, order=0, max_tokens=3)
     b = make_seq("B", 8, order=1, max_tokens=3)
-    waiting.push(a), waiting.push(b)
+    waiting.push(a)
+    waiting.push(b)
     step, _ = sched.schedule(waiting, share=8)
     assert step.num_tokens == [2, 8] and sched.free_blocks == 0
     merge_reply(step)

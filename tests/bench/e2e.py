@@ -371,6 +371,7 @@ def main() -> None:
                     help="how to drive transformers' continuous batching (see run_cb)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    load_at_start = os.getloadavg()[0]  # before this script's own work adds to it
     n = args.requests or (16 if args.quick else 64)
     prompt_len, out_len = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
 
@@ -449,6 +450,9 @@ def main() -> None:
               "only requested tokens count; manager setup inside the timing.")
     for note in notes:
         print(f"  {note}")
+    busy = load_at_start > 0.5 * (os.cpu_count() or 1)
+    print(f"  1-minute load average when the script started: {load_at_start:.1f} on {os.cpu_count()} CPUs"
+          + (" -- other work was running: timings are unreliable" if busy else ""))
     llm.shutdown()
     ray.shutdown()
 

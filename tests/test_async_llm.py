@@ -1,0 +1,113 @@
+"""AsyncLLM on the tiny model: streaming in the three output kinds, concurrent streams,
+abort (explicit and by a consumer that leaves), bad input raised to the caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster import LLM, AsyncLLM
+from sampler.params import RequestOutputKind, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_local, tiny_model_path):
+    e = AsyncLLM(tiny_model_path, num_workers=1, max_num_seqs=8, max_model_len=512, worker_num_cpus=1)
+    yield e
+    e.shutdown()
+
+
+async def collect(engine, prompt, params, rid):
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+def test_output_kinds_agree(engine):
+    async def main():
+        return await asyncio.gather(
+            collect(engine, "the quick brown fox", GREEDY.clone(output_kind=RequestOutputKind.CUMULATIVE, logprobs=1), "cum"),
+            collect(engine, "the quick brown fox", GREEDY.clone(output_kind=RequestOutputKind.DELTA, logprobs=1), "delta"),
+            collect(engine, "the quick brown fox", GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1), "final"),
+        )
+
+    cum, delta, final = asyncio.run(main())
+    assert len(final) == 1 and final[0].finished
+    full = final[0].outputs[0]
+    assert len(cum) > 1 and cum[-1].finished and not any(o.finished for o in cum[:-1])
+    assert cum[-1].outputs[0].token_ids == full.token_ids and cum[-1].outputs[0].text == full.text
+    lengths = [len(o.outputs[0].token_ids) for o in cum]
+    assert lengths == sorted(lengths)  # cumulative outputs only grow
+    assert len(delta) > 1 and delta[-1].finished
+    assert [t for o in delta for c in o.outputs for t in c.token_ids] == full.token_ids
+    assert "".join(c.text for o in delta for c in o.outputs) == full.text
+    assert sum(len(c.logprobs) for o in delta for c in o.outputs) == len(full.token_ids)
+    assert delta[-1].outputs[0].finish_reason == "length"
+    m = final[0].metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time
+
+
+def test_streams_match_the_batch_client(engine, tiny_model_path):
+    prompts = ["a stitch in time", "ray schedules actors", "tokens flow", "héllo wörld"]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, GREEDY, f"s{i}") for i, p in enumerate(prompts)))
+
+    streamed = [outs[-1].outputs[0].token_ids for outs in asyncio.run(main())]
+    llm = LLM(tiny_model_path, num_workers=1, max_num_seqs=2, max_model_len=512, worker_num_cpus=1)
+    try:
+        assert streamed == [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def test_abort_and_a_consumer_that_leaves_free_their_rows(engine):
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        outs = []
+        async for out in engine.generate("abort me", long, "victim"):
+            outs.append(out)
+            if len(outs) == 2:
+                engine.abort("victim")
+        # A consumer that stops early (client disconnected) aborts its request too.
+        stream = engine.generate("leave me", long, "leaver")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(200):
+            if engine.engine.num_unfinished_requests == 0:
+                break
+            await asyncio.sleep(0.05)
+        after = await collect(engine, "next", GREEDY, "next")
+        return outs, after
+
+    outs, after = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 400
+    assert engine.engine.num_unfinished_requests == 0
+    assert all(w.scheduler.num_running == 0 for w in engine.engine.workers)
+    assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 20
+
+
+def test_bad_input_raises_in_the_caller(engine):
+    async def main():
+        with pytest.raises(ValueError, match="too long"):
+            await collect(engine, [5] * 600, GREEDY, "bad")
+        with pytest.raises(ValueError, match="empty"):
+            await collect(engine, "", GREEDY, "bad2")
+
+        async def hold():
+            async for out in engine.generate("dup", GREEDY.clone(max_tokens=50), "dup"):
+                await asyncio.sleep(0.01)
+            return out
+
+        first = asyncio.ensure_future(hold())
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="already running"):
+            await collect(engine, "dup", GREEDY, "dup")
+        return await first
+
+    out = asyncio.run(main())
+    assert out.finished and len(out.outputs[0].token_ids) == 50

@@ -1,0 +1,86 @@
+"""Two Ray nodes on this machine (``ray.cluster_utils.Cluster``): the node that hosts a
+worker is removed mid-batch; every request still finishes with the output of an
+undisturbed run, and a replacement worker joins once a new node offers room."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from cluster import LLM, RequestOutput
+from conftest import start_local_ray
+from sampler.params import SamplingParams
+from test_model_runner import prompts
+
+
+@pytest.fixture
+def two_nodes():
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            # Notice a lost node in about a second rather than the default ~15 s.
+            "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3},
+        },
+    )
+    second = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, second
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        start_local_ray()
+
+
+@pytest.mark.multinode
+def test_removing_the_node_of_a_worker_loses_no_request(two_nodes, tiny_model_path):
+    cluster, second = two_nodes
+    ps = prompts(400, [6 + 5 * i for i in range(32)], seed=21)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) if i % 2
+        else SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
+        for i in range(32)
+    ]
+    llm = LLM(tiny_model_path, num_workers=2, worker_num_cpus=1, max_num_seqs=16, max_model_len=512,
+              max_num_batched_tokens=64, worker_start_timeout_s=120)
+    engine = llm.engine
+    try:
+        undisturbed = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        nodes = {w.index: ray.get(w.actor.health.remote())["node_id"] for w in engine.workers}
+        on_second = [w for w in engine.workers if nodes[w.index] == second.node_id]
+        assert len(on_second) == 1, "one worker per node"
+
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            engine.add_request(f"r{i}", p, sp)
+        finals: dict[str, RequestOutput] = {}
+        removed = False
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "requests did not finish after the node was lost"
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            held = on_second[0].scheduler.running if on_second[0].live else []
+            if not removed and sum(len(s.output_token_ids) > 0 for s in held) >= 4:
+                cluster.remove_node(second)
+                removed = True
+        assert removed and engine.num_worker_failures == 1
+        assert [finals[f"r{i}"].outputs[0].token_ids for i in range(32)] == undisturbed
+
+        # The replacement waits for room; a new node provides it.
+        cluster.add_node(num_cpus=1)
+        deadline = time.monotonic() + 90
+        while sum(w.live for w in engine.workers) < 2:
+            assert time.monotonic() < deadline, "the replacement worker never started"
+            engine.step(timeout=0.5)
+            time.sleep(0.2)
+        again = llm.generate(ps[:8], params[:8], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == undisturbed[:8]
+    finally:
+        llm.shutdown()

@@ -1,0 +1,40 @@
+"""SmolLM2-135M-Instruct end to end: ``LLM.chat``/``LLM.generate`` with 32 prompts over
+two Ray workers, token for token against transformers ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cluster import LLM
+from sampler.params import SamplingParams
+from test_model_runner import assert_greedy_equal, generate
+from test_smollm2_worker import QUESTIONS
+
+pytestmark = pytest.mark.smollm2
+
+TOPICS = ["the moon", "tea", "a river", "prime numbers"]
+MAX_TOKENS = 16
+
+
+def test_32_chat_prompts_over_two_workers_match_generate(ray_local):
+    questions = QUESTIONS + [f"Tell me one fact about {t}." for t in TOPICS] * 6
+    assert len(questions) == 32
+    llm = LLM(num_workers=2, worker_num_cpus=1, max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=False)
+        assert llm.engine.model_name == "SmolLM2-135M-Instruct"
+        assert all(w.scheduler.step_id > 0 for w in llm.engine.workers)
+    finally:
+        llm.shutdown()
+    reference = AutoModelForCausalLM.from_pretrained(llm.engine.tokenizer.name_or_path, dtype=torch.float32).eval()
+    expected: dict[tuple[int, ...], list[int]] = {}  # 12 distinct prompts, repeats share
+    for out in outs:
+        ids, prompt = out.outputs[0].token_ids, out.prompt_token_ids
+        assert len(ids) == MAX_TOKENS and out.outputs[0].finish_reason == "length"
+        if tuple(prompt) not in expected:
+            expected[tuple(prompt)] = generate(reference, prompt, MAX_TOKENS)
+        assert_greedy_equal(reference, prompt, ids, expected[tuple(prompt)])
+    assert "Paris" in outs[0].outputs[0].text
