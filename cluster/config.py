@@ -29,6 +29,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    #: swap rows so decodes precede prefill chunks in every step (vLLM's batch order
+    #: for attention backends that want it; results are the same either way)
+    decodes_first: bool = False
     #: "fcfs" or "priority" (lower value first, vLLM's convention)
     scheduling_policy: str = "fcfs"
     num_spec_tokens: int = 0

@@ -147,6 +147,7 @@ class LLMEngine:
             kv_block_size=c.kv_block_size,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
             num_spec_tokens=c.num_spec_tokens,
+            decodes_first=c.decodes_first,
         )
 
     def _poll_starting(self) -> None:

@@ -7,7 +7,8 @@ and its KV budget and records every row change with ``BatchUpdateBuilder`` the w
 seeds describe: finished, aborted or preempted rows are registered as removed; new
 sequences take the lowest freed row (``pop_removed``) or grow the batch; remaining holes
 are condensed by moving the highest occupied row into the lowest hole (unidirectional
-moves). The resulting ``BatchUpdate`` becomes the step message.
+moves); optionally (``decodes_first``) rows are then swapped so that decodes precede
+prefill chunks. The resulting ``BatchUpdate`` becomes the step message.
 
 Per step: running sequences first, in (priority, arrival) order, each taking its
 uncomputed tokens up to the step's token budget (long prefills in chunks), then waiting
@@ -79,6 +80,7 @@ class WorkerScheduler:
         kv_block_size: int,
         long_prefill_token_threshold: int | None = None,
         num_spec_tokens: int = 0,
+        decodes_first: bool = False,
     ) -> None:
         self.max_rows = max_rows
         self.token_budget = max_num_batched_tokens
@@ -87,10 +89,12 @@ class WorkerScheduler:
         self.free_blocks = kv_blocks
         self.block_size = kv_block_size
         self.num_spec_tokens = num_spec_tokens
+        self.decodes_first = decodes_first
         self.rows: list[Sequence | None] = []
         self.builder = BatchUpdateBuilder()
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     @property
     def running(self) -> list[Sequence]:
@@ -180,6 +184,8 @@ class WorkerScheduler:
             num_held += 1
 
         self._condense()
+        if self.decodes_first:
+            self._decodes_first(planned)
         update = self.builder.get_and_reset(len(self.rows))
         if update is None and not planned:
             return None, preempted
@@ -223,6 +229,26 @@ class WorkerScheduler:
         seq.prompt_logprobs_seen = 0
         self.builder.added.append((row, seq.params, seq.prompt_token_ids, list(seq.output_token_ids)))
         self.builder.batch_changed = True
+
+    def _decodes_first(self, planned: dict[int, int]) -> None:
+        """Swaps rows so those running one token (decodes) precede prefill chunks (the
+        order vLLM gives attention backends that want decodes first)."""
+        rows = self.rows
+
+        def is_decode(seq: Sequence) -> bool:
+            return planned.get(id(seq), 0) <= 1
+
+        i, j = 0, len(rows) - 1
+        while i < j:
+            if is_decode(rows[i]):
+                i += 1
+            elif not is_decode(rows[j]):
+                j -= 1
+            else:
+                rows[i], rows[j] = rows[j], rows[i]
+                rows[i].row, rows[j].row = i, j
+                self.builder.moved.append((i, j, MoveDirectionality.SWAP))
+                self.num_swaps += 1
 
     def _condense(self) -> None:
         """Fills holes from the top: the highest occupied row moves to the lowest hole."""

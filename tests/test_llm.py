@@ -46,6 +46,19 @@ def test_greedy_matches_generate_over_two_workers(llm, reference):
     assert all(w.scheduler.step_id > 0 for w in llm.engine.workers)
 
 
+def test_decode_first_swaps_keep_greedy_output(ray_local, tiny_model_path, llm):
+    ps = prompts(VOCAB, [3, 150, 40, 90, 5, 120, 8, 71], seed=2)
+    base = llm.generate(ps, GREEDY, use_tqdm=False)
+    swapping = LLM(tiny_model_path, max_num_seqs=8, max_model_len=512, max_num_batched_tokens=48, long_prefill_token_threshold=16,
+                   decodes_first=True, worker_num_cpus=1)
+    try:
+        outs = swapping.generate(ps, GREEDY, use_tqdm=False)
+        assert swapping.engine.workers[0].scheduler.num_swaps > 0
+    finally:
+        swapping.shutdown()
+    assert [tokens(o) for o in outs] == [tokens(o) for o in base]
+
+
 def test_text_dict_and_token_prompts_agree(llm):
     text = "the quick brown fox"
     ids = llm.tokenizer.encode(text)
