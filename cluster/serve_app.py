@@ -1,0 +1,309 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP API over ``AsyncLLM``.
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``
+answers with server-sent events), ``GET /v1/models``, ``GET /health``. Bad requests get
+HTTP 400 with an OpenAI error object, an unknown model 404, a wrong API key 401; when the
+replica has ``max_ongoing_requests`` in flight and ``max_queued_requests`` waiting,
+Serve itself answers 503 with ``Retry-After`` (its backpressure), so queues stay bounded.
+A client that disconnects cancels its handler, which aborts the request in the engine.
+
+Build it with ``build_app({...})`` (``serve.run(build_app({"model": ...}))``) or from a
+Serve config (``deploy/serve.yaml``: ``import_path: cluster.serve_app:build_app``); the
+arguments are ``ServerArgs``. Logits processors are named only here, in ``engine``.
+"""
+
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psutil
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types import Model
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+from ray.serve.config import BackpressureConfig
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.inputs import render_chat
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_delta_choice,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+)
+from cluster.outputs import RequestOutput
+
+
+class ServerArgs(BaseModel):
+    """The application's configuration (Serve config ``args`` or ``build_app``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the embedded SmolLM2
+    served_model_name: str | None = None  # the name clients use; default: the model's
+    num_workers: int = 1
+    api_key: str | None = None  # clients must send "Authorization: Bearer <key>"
+    chat_template: str | None = None  # for tokenizers without one
+    #: further ``EngineConfig`` fields: max_num_seqs, max_model_len, logits_processors,
+    #: worker_resources, address, ...
+    engine: dict[str, Any] = {}
+    num_replicas: int = 1
+    max_ongoing_requests: int = 256  # per replica, in the engine at once
+    max_queued_requests: int = 512  # waiting for a replica; beyond: 503
+    retry_after_s: float = 1.0
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, status, param), status_code=status)
+
+
+app = FastAPI(title="raydecode OpenAI-compatible API")
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc)),
+                  "BadRequestError", where or None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return _error(exc.status, exc.message, exc.kind, exc.param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+
+def _sse(payload: Any) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_unset=True)
+    return f"data: {data}\n\n"
+
+
+class _StreamUsage:
+    """Token counts over a stream of delta outputs."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[str, int] = {}
+        self.completion = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt[out.request_id] = len(out.prompt_token_ids)
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+
+    def as_dict(self) -> dict[str, int]:
+        prompt = sum(self.prompt.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
+
+
+async def _first_or_error(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput | None]:
+    """Each stream's first output, awaited before the response starts, so a request the
+    engine rejects still gets a proper HTTP error status."""
+    firsts: list[RequestOutput | None] = []
+    for s in streams:
+        try:
+            firsts.append(await s.__anext__())
+        except StopAsyncIteration:
+            firsts.append(None)
+    return firsts
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]):
+    """(stream index, output) pairs from several streams, as they come."""
+    for i, out in enumerate(firsts):
+        if out is not None:
+            yield i, out
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as exc:  # handed to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if not (firsts[i] and firsts[i].finished)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
+@serve.ingress(app)
+class OpenAIServer:
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = ServerArgs.model_validate(args)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        self.llm = AsyncLLM(self.args.model, num_workers=self.args.num_workers, **self.args.engine)
+        self.model_name = self.args.served_model_name or self.llm.engine.model_name
+        self.created = int(time.time())
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when this raises."""
+        if not self.llm.is_running:
+            raise RuntimeError("the engine loop stopped")
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _check(self, raw: Request, model: str | None) -> None:
+        if self.args.api_key is not None:
+            if raw.headers.get("authorization", "") != f"Bearer {self.args.api_key}":
+                raise APIError(401, "invalid or missing API key", "AuthenticationError")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    async def _run(self, prompt: Any, params: Any, rid: str, priority: int) -> AsyncIterator[RequestOutput]:
+        try:
+            stream = self.llm.generate(prompt, params, rid, priority=priority)
+            async for out in stream:
+                if out.error:
+                    raise APIError(500, f"the request failed: {out.error}", "InternalServerError")
+                yield out
+        except ValueError as exc:
+            raise APIError(400, str(exc), "BadRequestError") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "ServiceUnavailableError") from None
+
+    @staticmethod
+    async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    # -- routes -------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> dict[str, Any]:
+        engine = self.llm.engine
+        return {
+            "status": "ok" if self.llm.is_running else "stopped",
+            "model": self.model_name,
+            "running_requests": engine.num_unfinished_requests,
+            "live_workers": sum(w.live for w in engine.workers),
+            "rss_bytes": psutil.Process().memory_info().rss,
+        }
+
+    @app.get("/v1/models")
+    async def models(self, raw: Request) -> dict[str, Any]:
+        self._check(raw, None)
+        card = Model(id=self.model_name, object="model", created=self.created, owned_by="raydecode")
+        data = card.model_dump() | {"max_model_len": self.llm.engine.max_model_len}
+        return {"object": "list", "data": [data]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self._check(raw, body.model)
+        try:
+            params = body.sampling_params()
+            prompts = body.prompts()
+        except (ValueError, ValidationError) as exc:
+            raise APIError(400, str(exc), "BadRequestError") from None
+        rid = new_id("cmpl")
+        streams = [self._run(p, params, f"{rid}-{i}", body.priority) for i, p in enumerate(prompts)]
+        if not body.stream:
+            outs = await asyncio.gather(*(self._final(s) for s in streams))
+            return JSONResponse(completion_response(rid, self.model_name, list(outs)).model_dump(exclude_unset=True))
+        first = await _first_or_error(streams)
+        return StreamingResponse(self._completion_events(rid, body, streams, first), media_type="text/event-stream")
+
+    async def _completion_events(self, rid, body, streams, first) -> AsyncIterator[str]:
+        created, n = int(time.time()), body.n
+        counts = _StreamUsage()
+        try:
+            async for index, out in _merge(streams, first):
+                counts.add(out)
+                yield _sse(completion_chunk(rid, self.model_name, index, n, out, created))
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse(json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                       "model": self.model_name, "choices": [], "usage": counts.as_dict()}))
+        except APIError as exc:
+            yield _sse(json.dumps(error_body(exc.message, exc.kind, exc.status)))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
+        self._check(raw, body.model)
+        try:
+            params = body.sampling_params()
+            prompt = render_chat(
+                body.conversation(), self.llm.tokenizer, add_generation_prompt=body.add_generation_prompt,
+                chat_template=self.args.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+            )
+        except (ValueError, ValidationError) as exc:
+            raise APIError(400, str(exc), "BadRequestError") from None
+        rid = new_id("chatcmpl")
+        top = body.top_logprobs or 0
+        stream = self._run(prompt, params, rid, body.priority)
+        if not body.stream:
+            out = await self._final(stream)
+            return JSONResponse(chat_response(rid, self.model_name, out, top).model_dump(exclude_unset=True))
+        first = await _first_or_error([stream])
+        return StreamingResponse(self._chat_events(rid, body, stream, first, top), media_type="text/event-stream")
+
+    async def _chat_events(self, rid, body, stream, first, top) -> AsyncIterator[str]:
+        created = int(time.time())
+        started: set[int] = set()
+        counts = _StreamUsage()
+        try:
+            async for _, out in _merge([stream], first):
+                counts.add(out)
+                choices = []
+                for c in out.outputs:
+                    choices.append(chat_delta_choice(c, top, c.index not in started))
+                    started.add(c.index)
+                yield _sse(chat_chunk(rid, self.model_name, created, choices))
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse(json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": self.model_name, "choices": [], "usage": counts.as_dict()}))
+        except APIError as exc:
+            yield _sse(json.dumps(error_body(exc.message, exc.kind, exc.status)))
+        yield "data: [DONE]\n\n"
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The Serve application (``serve.run(build_app({...}))``, or ``import_path:
+    cluster.serve_app:build_app`` in a Serve config)."""
+    parsed = ServerArgs.model_validate(args or {})
+    return OpenAIServer.options(
+        num_replicas=parsed.num_replicas,
+        max_ongoing_requests=parsed.max_ongoing_requests,
+        max_queued_requests=parsed.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s),
+    ).bind(parsed.model_dump())
