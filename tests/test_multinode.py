@@ -1,6 +1,7 @@
 """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``): the node that hosts a
-worker is removed mid-batch; every request still finishes with the output of an
-undisturbed run, and a replacement worker joins once a new node offers room."""
+worker is removed mid-batch (every request still finishes with the output of an
+undisturbed run, and a replacement worker joins once a new node offers room); and a
+Serve app whose configuration pins the worker to the node with a custom resource."""
 
 from __future__ import annotations
 
@@ -84,3 +85,46 @@ def test_removing_the_node_of_a_worker_loses_no_request(two_nodes, tiny_model_pa
         assert [o.outputs[0].token_ids for o in again] == undisturbed[:8]
     finally:
         llm.shutdown()
+
+
+@pytest.fixture
+def resource_cluster():
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    gpu_like = cluster.add_node(num_cpus=1, resources={"raydecode_worker": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, gpu_like
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        start_local_ray()
+
+
+@pytest.mark.multinode
+def test_serve_places_the_worker_on_the_node_with_the_resource(resource_cluster, tiny_model_path):
+    import httpx
+    from ray import serve
+
+    from cluster.serve_app import build_app
+    from test_serve_openai import _free_port
+
+    cluster, node = resource_cluster
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({
+        "model": tiny_model_path,
+        "engine": {"max_model_len": 256, "worker_num_cpus": 1, "worker_resources": {"raydecode_worker": 1}},
+    }), name="placed", route_prefix="/")
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                   json={"prompt": "the quick brown fox", "max_tokens": 8, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    from ray.util.state import list_actors
+
+    live = list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
+    assert len(live) == 1 and live[0].node_id == node.node_id

