@@ -96,7 +96,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, nargs="*", default=[49152, 151936])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="the smaller vocabulary only (a smoke run)")
     args = parser.parse_args()
+    if args.quick:
+        args.vocab = args.vocab[:1]
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"sampler step, batch {BATCH}, torch threads {torch.get_num_threads()}")

@@ -1,0 +1,223 @@
+"""The ``raydecode`` command: ``generate``, ``serve`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GENERATE_HELP = """Prompts come from the arguments or from a JSONL file (--input), one object per
+line: {"prompt": "..."}, {"prompt_token_ids": [...]} or {"messages": [...]}
+(rendered with the chat template), optionally with "id" and "sampling_params"
+(SamplingParams fields overriding the flags). Writes one JSON object per line."""
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local path, hub id or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--num-workers", type=int, default=1, help="data-parallel worker actors (default: 1)")
+    g.add_argument("--address", default=None, help="Ray address to join (default: a local Ray)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="rows per worker (default: 64)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="raydecode", description="Ray-based LLM serving: generate, serve, bench.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+
+    gen = sub.add_parser("generate", help="run prompts to completion and write JSONL",
+                         description=GENERATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("prompts", nargs="*", help="prompt texts")
+    gen.add_argument("-i", "--input", type=Path, help="JSONL file of prompts")
+    gen.add_argument("-o", "--output", default="-", help="output JSONL file (default: stdout)")
+    gen.add_argument("--chat", action="store_true", help="treat argument prompts as user messages (chat template)")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    s = gen.add_argument_group("sampling (SamplingParams)")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("-n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    _engine_flags(gen)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible endpoint (Ray Serve) until interrupted")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
+    _engine_flags(srv)
+
+    bench = sub.add_parser("bench", help="run the benchmark scripts in tests/bench (a source checkout)")
+    bench.add_argument("names", nargs="*", help="scripts to run (default: all), e.g. e2e worker_step")
+    bench.add_argument("--quick", action="store_true", help="pass --quick to each script")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command == "generate":
+        return _generate(ap, args)
+    if args.command == "serve":
+        return _serve(ap, args)
+    return _bench(ap, args)
+
+
+# -- generate -------------------------------------------------------------------------
+
+
+def _read_jsonl(ap: argparse.ArgumentParser, path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        ap.error(f"input file {path} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            ap.error(f"{path}:{n}: not JSON ({exc.msg})")
+        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(item)):
+            ap.error(f"{path}:{n}: expected an object with 'prompt', 'prompt_token_ids' or 'messages'")
+        items.append(item)
+    return items
+
+
+def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from sampler.params import SamplingParams
+
+    items = _read_jsonl(ap, args.input) if args.input else []
+    for text in args.prompts:
+        items.append({"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text})
+    if not items:
+        ap.error("no prompts: give them as arguments or with --input FILE.jsonl")
+    try:
+        base = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed, n=args.n, logprobs=args.logprobs, stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        params = [base.clone(**item.get("sampling_params", {})) for item in items]
+    except (ValueError, TypeError) as exc:
+        ap.error(f"sampling parameters: {exc}")
+
+    from cluster.inputs import render_chat
+    from cluster.llm import LLM
+
+    llm = _llm(LLM, args)
+    try:
+        prompts = []
+        for n, item in enumerate(items, start=1):
+            if "messages" in item:
+                try:
+                    prompts.append(render_chat(item["messages"], llm.tokenizer))
+                except ValueError as exc:
+                    ap.error(f"prompt {n}: {exc}")
+            else:
+                prompts.append({k: item[k] for k in ("prompt", "prompt_token_ids") if k in item})
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        except ValueError as exc:
+            ap.error(str(exc))
+    finally:
+        llm.shutdown()
+    out = sys.stdout if args.output == "-" else open(args.output, "w")
+    try:
+        for item, o in zip(items, outputs):
+            out.write(json.dumps({
+                "id": item.get("id", o.request_id),
+                "prompt": o.prompt,
+                "outputs": [
+                    {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob}
+                    for c in o.outputs
+                ],
+                "num_prompt_tokens": len(o.prompt_token_ids),
+                "time_to_first_token_s": o.metrics.time_to_first_token,
+            }) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def _llm(cls: Any, args: argparse.Namespace) -> Any:
+    if args.address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local Ray
+    kwargs: dict[str, Any] = {"num_workers": args.num_workers, "address": args.address, "max_num_seqs": args.max_num_seqs}
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    return cls(args.model, **kwargs)
+
+
+# -- serve ----------------------------------------------------------------------------
+
+
+def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.chat_template is not None and not args.chat_template.is_file():
+        ap.error(f"chat template {args.chat_template} does not exist")
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    if args.address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    engine: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
+    if args.max_model_len is not None:
+        engine["max_model_len"] = args.max_model_len
+    app = build_app({
+        "model": args.model, "served_model_name": args.served_model_name, "num_workers": args.num_workers,
+        "api_key": args.api_key, "engine": engine,
+        "chat_template": args.chat_template.read_text() if args.chat_template else None,
+    })
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(app, name="raydecode", route_prefix="/")
+    print(f"raydecode: serving the OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+# -- bench ----------------------------------------------------------------------------
+
+
+def _bench(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    folder = Path(__file__).resolve().parent.parent / "tests" / "bench"
+    if not folder.is_dir():
+        ap.error(f"{folder} not found: bench runs from a source checkout")
+    scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    if args.names:
+        known = {p.stem: p for p in scripts}
+        unknown = [n for n in args.names if n not in known]
+        if unknown:
+            ap.error(f"unknown benchmark(s) {unknown}; choose from {sorted(known)}")
+        scripts = [known[n] for n in args.names]
+    failed = 0
+    for script in scripts:
+        print(f"== {script.stem}", flush=True)
+        cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
+        failed += subprocess.run(cmd, cwd=folder.parent.parent).returncode != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
