@@ -27,7 +27,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	for f in tests/bench/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+	$(PY) -m cluster.cli bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
