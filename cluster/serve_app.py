@@ -224,7 +224,7 @@ class OpenAIServer:
     async def models(self, raw: Request) -> dict[str, Any]:
         self._check(raw, None)
         card = Model(id=self.model_name, object="model", created=self.created, owned_by="raydecode")
-        data = card.model_dump() | {"max_model_len": self.llm.engine.max_model_len}
+        data = card.model_dump(exclude_none=True) | {"max_model_len": self.llm.engine.max_model_len}
         return {"object": "list", "data": [data]}
 
     @app.post("/v1/completions")
