@@ -278,3 +278,26 @@ def test_a_worker_killed_mid_batch_loses_nothing(ray_local, tiny_model_path, llm
 def test_unplaceable_workers_fail_clearly(ray_local, tiny_model_path):
     with pytest.raises(RuntimeError, match="not ready within 2"):
         LLM(tiny_model_path, worker_num_cpus=64, worker_start_timeout_s=2)
+
+
+def test_abort_frees_waiting_and_running_requests_at_once(ray_local, tiny_model_path):
+    llm = LLM(tiny_model_path, max_num_seqs=1, max_model_len=256, worker_num_cpus=1)
+    engine = llm.engine
+    try:
+        engine.add_request("running", "a b c", GREEDY.clone(max_tokens=200))
+        engine.add_request("waiting", "d e f", GREEDY.clone(max_tokens=200, n=2))
+        while not engine.workers[0].scheduler.running:
+            engine.step()
+        assert len(engine.waiting) == 2  # both samples of "waiting" queue behind the one row
+        blocks = engine.workers[0].scheduler.free_blocks
+        engine.abort_request(["waiting", "running", "unknown-id"])
+        assert len(engine.waiting) == 0 and engine.num_unfinished_requests == 0
+        assert engine.workers[0].scheduler.num_running == 0 and engine.workers[0].scheduler.free_blocks > blocks
+        finals = {o.request_id: o for o in engine.step()}
+        assert set(finals) == {"running", "waiting"}
+        assert all(c.finish_reason == "abort" for o in finals.values() for c in o.outputs)
+        assert len(finals["waiting"].outputs) == 2 and finals["waiting"].outputs[0].token_ids == []
+        (after,) = llm.generate(["next"], GREEDY.clone(max_tokens=5), use_tqdm=False)
+        assert len(after.outputs[0].token_ids) == 5
+    finally:
+        llm.shutdown()
