@@ -241,17 +241,24 @@ class OpenAIServer:
             outs = await asyncio.gather(*(self._final(s) for s in streams))
             return JSONResponse(completion_response(rid, self.model_name, list(outs)).model_dump(exclude_unset=True))
         first = await _first_or_error(streams)
-        return StreamingResponse(self._completion_events(rid, body, streams, first), media_type="text/event-stream")
+        created = int(time.time())
 
-    async def _completion_events(self, rid, body, streams, first) -> AsyncIterator[str]:
-        created, n = int(time.time()), body.n
+        def chunk(index: int, out: RequestOutput) -> Any:
+            return completion_chunk(rid, self.model_name, index, body.n, out, created)
+
+        events = self._events(rid, "text_completion", body, streams, first, chunk)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _events(self, rid: str, kind: str, body: Any, streams: list, first: list, chunk: Any) -> AsyncIterator[str]:
+        """Server-sent events: ``chunk(index, output)`` per output, the usage chunk when
+        asked for, an error object if the request failed midway, then ``[DONE]``."""
         counts = _StreamUsage()
         try:
             async for index, out in _merge(streams, first):
                 counts.add(out)
-                yield _sse(completion_chunk(rid, self.model_name, index, n, out, created))
+                yield _sse(chunk(index, out))
             if body.stream_options and body.stream_options.include_usage:
-                yield _sse(json.dumps({"id": rid, "object": "text_completion", "created": created,
+                yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()),
                                        "model": self.model_name, "choices": [], "usage": counts.as_dict()}))
         except APIError as exc:
             yield _sse(json.dumps(error_body(exc.message, exc.kind, exc.status)))
@@ -275,26 +282,18 @@ class OpenAIServer:
             out = await self._final(stream)
             return JSONResponse(chat_response(rid, self.model_name, out, top).model_dump(exclude_unset=True))
         first = await _first_or_error([stream])
-        return StreamingResponse(self._chat_events(rid, body, stream, first, top), media_type="text/event-stream")
-
-    async def _chat_events(self, rid, body, stream, first, top) -> AsyncIterator[str]:
         created = int(time.time())
-        started: set[int] = set()
-        counts = _StreamUsage()
-        try:
-            async for _, out in _merge([stream], first):
-                counts.add(out)
-                choices = []
-                for c in out.outputs:
-                    choices.append(chat_delta_choice(c, top, c.index not in started))
-                    started.add(c.index)
-                yield _sse(chat_chunk(rid, self.model_name, created, choices))
-            if body.stream_options and body.stream_options.include_usage:
-                yield _sse(json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": self.model_name, "choices": [], "usage": counts.as_dict()}))
-        except APIError as exc:
-            yield _sse(json.dumps(error_body(exc.message, exc.kind, exc.status)))
-        yield "data: [DONE]\n\n"
+        started: set[int] = set()  # samples whose first chunk (with the role) went out
+
+        def chunk(_: int, out: RequestOutput) -> Any:
+            choices = [chat_delta_choice(c, top, c.index not in started) for c in out.outputs]
+            started.update(c.index for c in out.outputs)
+            return chat_chunk(rid, self.model_name, created, choices)
+
+        events = self._events(rid, "chat.completion.chunk", body, [stream], first, chunk)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -5,6 +5,7 @@ Serve app whose configuration pins the worker to the node with a custom resource
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -16,27 +17,32 @@ from sampler.params import SamplingParams
 from test_model_runner import prompts
 
 
-@pytest.fixture
-def two_nodes():
+@contextlib.contextmanager
+def local_cluster(head: dict, second: dict):
+    """A head and a second node on this machine, this process connected to them; the
+    shared local Ray comes back afterwards."""
+    from ray import serve
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            # Notice a lost node in about a second rather than the default ~15 s.
-            "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3},
-        },
-    )
-    second = cluster.add_node(num_cpus=1)
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    node = cluster.add_node(**second)
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        yield cluster, second
+        yield cluster, node
     finally:
+        serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
         start_local_ray()
+
+
+@pytest.fixture
+def two_nodes():
+    # Notice a lost node in about a second rather than the default ~15 s.
+    health = {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
+    with local_cluster({"num_cpus": 1, "_system_config": health}, {"num_cpus": 1}) as nodes:
+        yield nodes
 
 
 @pytest.mark.multinode
@@ -89,21 +95,8 @@ def test_removing_the_node_of_a_worker_loses_no_request(two_nodes, tiny_model_pa
 
 @pytest.fixture
 def resource_cluster():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    gpu_like = cluster.add_node(num_cpus=1, resources={"raydecode_worker": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster, gpu_like
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        start_local_ray()
+    with local_cluster({"num_cpus": 2}, {"num_cpus": 1, "resources": {"raydecode_worker": 1}}) as nodes:
+        yield nodes
 
 
 @pytest.mark.multinode
