@@ -25,7 +25,8 @@ overhead ``1 - StepStats.wait / wall``: the share of wall time the driver was no
 blocked waiting on a worker step (scheduling, encoding, merging replies, building
 outputs). It bounds from above the time the worker sits idle because of the driver.
 Targets (CPU): ours >= 1.5x static ``generate``, >= 1.2x ``generate_batch``; driver
-overhead <= 10% at batch 64. One round per system (a full run takes minutes on CPU).
+overhead <= 10% at batch 64. One round per system: a full run takes about 30 minutes on a
+2-core CPU (most of it in the peers); ``--quick`` a few minutes.
 """
 
 from __future__ import annotations
