@@ -184,10 +184,10 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "api_key": args.api_key, "engine": engine,
         "chat_template": args.chat_template.read_text() if args.chat_template else None,
     })
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(app, name="raydecode", route_prefix="/")
-    print(f"raydecode: serving the OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-    try:
+    try:  # Ctrl-C at any point (even while starting) shuts Serve down cleanly
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="raydecode", route_prefix="/")
+        print(f"raydecode: serving the OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:

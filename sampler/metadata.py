@@ -102,9 +102,7 @@ class SamplingMetadata:
         gens = dict(generators or {})
         for i, p in enumerate(params):
             if p.sampling_type == SamplingType.RANDOM_SEED and i not in gens:
-                g = torch.Generator(device=device)
-                g.manual_seed(p.seed)
-                gens[i] = g
+                gens[i] = seeded_generator(p.seed, torch.device(device), len(outputs[i]))
         return cls.build(
             params, prompt_token_ids, outputs, vocab_size, device,
             generators=gens, logitsprocs=logitsprocs,
@@ -183,3 +181,16 @@ class SamplingMetadata:
             thinking_budget=thinking_budget,
             spec_token_ids=spec_token_ids,
         )
+
+
+def seeded_generator(seed: int, device: torch.device, num_sampled: int = 0) -> torch.Generator:
+    """A seeded row's generator, advanced past the ``num_sampled`` tokens the request
+    already has, drawing exactly what ``sampler.sampler.draw_uniforms`` draws per token
+    (one uniform): a request re-added with its output so far (preempted, or moved off a
+    dead worker) continues its random stream unchanged. Exact without speculative
+    decoding, whose verification draws more per token."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed % 2**64)
+    for _ in range(num_sampled):
+        torch.rand(1, generator=gen, device=device)
+    return gen

@@ -254,15 +254,6 @@ def draw_uniforms(n: int, generators: dict[int, torch.Generator], device: torch.
     return uniforms
 
 
-def skip_uniforms(generator: torch.Generator, count: int, device: torch.device) -> None:
-    """Advances a seeded row's generator past ``count`` sampled tokens, drawing exactly
-    what ``draw_uniforms`` would have: a request re-added with its output so far
-    (preempted, or moved off a dead worker) continues its random stream unchanged.
-    Exact without speculative decoding (verifying drafts draws more per token)."""
-    for _ in range(count):
-        torch.rand(1, generator=generator, device=device)
-
-
 def apply_processors(
     processors: Iterable[LogitsProcessor],
     logits: torch.Tensor,

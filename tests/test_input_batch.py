@@ -257,6 +257,9 @@ class Harness:
             for tok in self.draw(st.lists(tokens, max_size=2)):
                 self.batch.append_tokens(row, [tok])
                 req.output.append(tok)
+                gen = self.batch.requests[row].generator
+                if gen is not None:  # sampling the token drew one uniform from it
+                    torch.rand(1, generator=gen)
 
     def new_request(self) -> Req:
         earlier = sorted(self.finished)

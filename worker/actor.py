@@ -83,7 +83,8 @@ class Worker:
 
 
 def _assigned_cpus() -> int | None:
-    if not ray.is_initialized():
+    """The CPUs Ray gave this actor (None outside an actor, e.g. a Worker in a test)."""
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
         return None
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
     return max(1, int(round(cpus))) if cpus else None

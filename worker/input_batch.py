@@ -24,8 +24,7 @@ from sampler.config import SamplerConfig
 from sampler.logits_processor.interface import BatchUpdate, MoveDirectionality
 from sampler.logits_processor.loading import validate_request_params
 from sampler.logits_processor.state import LogitsProcessors
-from sampler.metadata import SamplingMetadata
-from sampler.sampler import skip_uniforms
+from sampler.metadata import SamplingMetadata, seeded_generator
 from sampler.params import SamplingParams, SamplingType
 from sampler.thinking_budget import ThinkingBudgetStateHolder
 from worker.kv_cache import RowKVCache
@@ -235,9 +234,7 @@ class InputBatch:
             raise ProtocolError(f"{where}: {exc}") from None
         gen = None
         if a.params.sampling_type == SamplingType.RANDOM_SEED:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(a.params.seed % 2**64)
-            skip_uniforms(gen, len(output), self.device)
+            gen = seeded_generator(a.params.seed, self.device, len(output))
         return CachedRequest(a.request_id, a.params, prompt.tolist(), output.tolist(), gen)
 
     def _clear_row(self, row: int) -> None:
