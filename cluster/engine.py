@@ -52,7 +52,6 @@ class WorkerSlot:
     scheduler: WorkerScheduler | None = None
     inflight: Any = None  # ObjectRef of the running step
     step: ScheduledStep | None = None
-    sent_at: float = 0.0
 
     @property
     def live(self) -> bool:
@@ -322,7 +321,7 @@ class LLMEngine:
                 if seq.request.metrics.first_scheduled_time is None:
                     seq.request.metrics.first_scheduled_time = now
             message = self._codec.encode(step.message)
-            slot.step, slot.sent_at = step, time.perf_counter()
+            slot.step = step
             slot.inflight = slot.actor.step.remote(message)
             self.stats.encode += time.perf_counter() - t1
 
