@@ -167,13 +167,18 @@ class LLMEngine:
 
     def _worker_died(self, slot: WorkerSlot, exc: Exception) -> None:
         self.num_worker_failures += 1
-        seqs = slot.scheduler.release_all() if slot.scheduler else []
-        logger.warning("worker %d died (%s); re-queueing %d sequences", slot.index, type(exc).__name__, len(seqs))
-        for seq in seqs:
-            if not seq.finished:
-                self.waiting.push(seq)
+        requeued = self._requeue(slot)
+        logger.warning("worker %d died (%s); re-queued %d sequences", slot.index, type(exc).__name__, requeued)
         self.workers.remove(slot)
         self.workers.append(self._start_worker())
+
+    def _requeue(self, slot: WorkerSlot) -> int:
+        """Puts every unfinished sequence the worker held back on the waiting queue (with
+        its tokens so far); returns how many."""
+        seqs = [s for s in (slot.scheduler.release_all() if slot.scheduler else []) if not s.finished]
+        for seq in seqs:
+            self.waiting.push(seq)
+        return len(seqs)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -338,9 +343,7 @@ class LLMEngine:
             # longer matches ours, so start it afresh and re-place its sequences.
             logger.error("worker %d refused step %d: %s", slot.index, step.message.step_id, exc.cause)
             ray.get(slot.actor.reset.remote())
-            for seq in slot.scheduler.release_all():
-                if not seq.finished:
-                    self.waiting.push(seq)
+            self._requeue(slot)
             return []
         t0 = time.perf_counter()
         reply = self._codec.decode_reply(data)

@@ -205,14 +205,19 @@ def chat_logprobs(c: CompletionOutput, top: int) -> ChoiceLogprobs | None:
     return ChoiceLogprobs(content=content)
 
 
-def completion_response(rid: str, model: str, outputs: list[RequestOutput]) -> Completion:
-    choices = []
-    for i, out in enumerate(outputs):
-        for c in out.outputs:
-            choices.append(CompletionChoice.model_construct(
-                index=i * len(out.outputs) + c.index, text=c.text, finish_reason=c.finish_reason,
-                logprobs=completion_logprobs(c), stop_reason=c.stop_reason,
-            ))
+def _completion_choices(prompt_index: int, n: int, out: RequestOutput) -> list[CompletionChoice]:
+    """Choice ``prompt_index * n + sample`` for each completion of one prompt (vLLM's order)."""
+    return [
+        CompletionChoice.model_construct(
+            index=prompt_index * n + c.index, text=c.text, finish_reason=c.finish_reason,
+            logprobs=completion_logprobs(c), stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+
+
+def completion_response(rid: str, model: str, n: int, outputs: list[RequestOutput]) -> Completion:
+    choices = [choice for i, out in enumerate(outputs) for choice in _completion_choices(i, n, out)]
     return Completion.model_construct(
         id=rid, object="text_completion", created=int(time.time()), model=model,
         choices=choices, usage=usage(outputs),
@@ -220,13 +225,10 @@ def completion_response(rid: str, model: str, outputs: list[RequestOutput]) -> C
 
 
 def completion_chunk(rid: str, model: str, prompt_index: int, n: int, out: RequestOutput, created: int) -> Completion:
-    choices = [
-        CompletionChoice.model_construct(
-            index=prompt_index * n + c.index, text=c.text, finish_reason=c.finish_reason, logprobs=completion_logprobs(c), stop_reason=c.stop_reason,
-        )
-        for c in out.outputs
-    ]
-    return Completion.model_construct(id=rid, object="text_completion", created=created, model=model, choices=choices)
+    return Completion.model_construct(
+        id=rid, object="text_completion", created=created, model=model,
+        choices=_completion_choices(prompt_index, n, out),
+    )
 
 
 def chat_response(rid: str, model: str, out: RequestOutput, top: int) -> ChatCompletion:

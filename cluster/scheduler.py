@@ -36,7 +36,7 @@ class WaitingQueue:
         self._heap: list[tuple[int, int, int, Sequence]] = []
 
     def push(self, seq: Sequence) -> None:
-        heapq.heappush(self._heap, (seq.priority, seq.order, seq.index, seq))
+        heapq.heappush(self._heap, (*seq.sort_key, seq))
 
     def peek(self) -> Sequence | None:
         return self._heap[0][3] if self._heap else None

@@ -59,9 +59,10 @@ class Sequence:
         self.prompt_logprobs_seen = 0
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Lower runs first and is preempted last (vLLM: priority, then arrival)."""
-        return (self.priority, self.order)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Lower runs first and is preempted last (vLLM: priority, then arrival; then
+        the sample index among a request's ``n``)."""
+        return (self.priority, self.order, self.index)
 
     @property
     def num_uncomputed_tokens(self) -> int:

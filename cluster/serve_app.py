@@ -239,7 +239,7 @@ class OpenAIServer:
         streams = [self._run(p, params, f"{rid}-{i}", body.priority) for i, p in enumerate(prompts)]
         if not body.stream:
             outs = await asyncio.gather(*(self._final(s) for s in streams))
-            return JSONResponse(completion_response(rid, self.model_name, list(outs)).model_dump(exclude_unset=True))
+            return JSONResponse(completion_response(rid, self.model_name, body.n, list(outs)).model_dump(exclude_unset=True))
         first = await _first_or_error(streams)
         created = int(time.time())
 
