@@ -15,8 +15,12 @@ out to start a stop string).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
+
+#: Each token's own text, per tokenizer (at most one entry per vocabulary id).
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 #: Prompt tokens that seed the decoding window.
 PROMPT_CONTEXT = 5
@@ -95,5 +99,13 @@ class IncrementalDetokenizer:
         return self.output_text[: max(0, len(self.output_text) - self.holdback)]
 
     def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
-        """Each token's own text (for logprobs), one decode call for all of them."""
-        return self.tokenizer.batch_decode([[t] for t in token_ids], skip_special_tokens=False)
+        """Each token's own text (for logprobs), from a cache shared by every sequence of
+        the tokenizer; the ids not seen before are decoded in one call."""
+        texts = _TOKEN_TEXTS.get(self.tokenizer)
+        if texts is None:
+            texts = _TOKEN_TEXTS[self.tokenizer] = {}
+        missing = [t for t in dict.fromkeys(token_ids) if t not in texts]
+        if missing:
+            decoded = self.tokenizer.batch_decode([[t] for t in missing], skip_special_tokens=False)
+            texts.update(zip(missing, decoded))
+        return [texts[t] for t in token_ids]

@@ -35,7 +35,7 @@ from cluster.sequence import Sequence
 from sampler.params import SamplingParams
 from worker.actor import create_worker, decode_info
 from worker.model_loader import ModelLoadError, load_tokenizer
-from worker.protocol import Codec, WorkerInfo
+from worker.protocol import Codec, StepTimings, WorkerInfo
 
 logger = logging.getLogger("raydecode")
 
@@ -52,6 +52,7 @@ class WorkerSlot:
     scheduler: WorkerScheduler | None = None
     inflight: Any = None  # ObjectRef of the running step
     step: ScheduledStep | None = None
+    sent_at: float = 0.0  # perf_counter time the running step was handed to Ray
 
     @property
     def live(self) -> bool:
@@ -60,19 +61,52 @@ class WorkerSlot:
 
 @dataclass
 class StepStats:
-    """Where the driver's time went (seconds, summed over steps)."""
+    """Where a step's time went (seconds, summed over steps).
+
+    The driver's own parts: ``schedule``, ``encode`` (the step message), ``decode``
+    (the reply), ``merge`` (the reply into the sequences: tokens, detokenization, stop
+    checks, logprobs) and ``outputs`` (``RequestOutput``s, built while the workers run
+    the next step). ``wait`` is the time blocked in ``ray.wait``.
+    Per worker step: ``round_trip`` is from handing the message to Ray to seeing the
+    reply ready; the worker's own parts (from its reply's ``timings``) are ``prepare``,
+    ``forward``, ``sample`` and ``bookkeeping``; what is left of the round trip is the
+    Ray call (``ray_call``: task submission, transfer, scheduling on the actor).
+    """
 
     steps: int = 0
     schedule: float = 0.0
     encode: float = 0.0
-    wait: float = 0.0  # blocked on ray.wait: the workers' time as seen by the driver
+    wait: float = 0.0
     decode: float = 0.0
     merge: float = 0.0
     outputs: float = 0.0
+    worker_steps: int = 0
+    round_trip: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    bookkeeping: float = 0.0
 
     @property
     def driver(self) -> float:
         return self.schedule + self.encode + self.decode + self.merge + self.outputs
+
+    @property
+    def worker(self) -> float:
+        return self.prepare + self.forward + self.sample + self.bookkeeping
+
+    @property
+    def ray_call(self) -> float:
+        return self.round_trip - self.worker
+
+    def add_worker_step(self, round_trip: float, timings: StepTimings | None) -> None:
+        self.worker_steps += 1
+        self.round_trip += round_trip
+        if timings is not None:
+            self.prepare += timings.prepare
+            self.forward += timings.forward
+            self.sample += timings.sample
+            self.bookkeeping += timings.bookkeeping
 
 
 class LLMEngine:
@@ -290,10 +324,11 @@ class LLMEngine:
             ready, _ = ray.wait([w.inflight for w in busy], num_returns=1, timeout=timeout)
             if ready:
                 ready, _ = ray.wait([w.inflight for w in busy], num_returns=len(busy), timeout=0)
-            self.stats.wait += time.perf_counter() - t0
+            ready_at = time.perf_counter()
+            self.stats.wait += ready_at - t0
             done = {r for r in ready}
             for slot in [w for w in busy if w.inflight in done]:
-                for request in self._receive(slot):
+                for request in self._receive(slot, ready_at):
                     changed[request.request_id] = request
             self._dispatch()  # the workers run the next step while outputs are built
         elif self.requests and not any(w.live for w in self.workers):
@@ -327,14 +362,16 @@ class LLMEngine:
                     seq.request.metrics.first_scheduled_time = now
             message = self._codec.encode(step.message)
             slot.step = step
+            slot.sent_at = time.perf_counter()
+            self.stats.encode += slot.sent_at - t1
             slot.inflight = slot.actor.step.remote(message)
-            self.stats.encode += time.perf_counter() - t1
 
-    def _receive(self, slot: WorkerSlot) -> list[Request]:
+    def _receive(self, slot: WorkerSlot, ready_at: float) -> list[Request]:
         ref, step = slot.inflight, slot.step
         slot.inflight, slot.step = None, None
+        t0 = time.perf_counter()
         try:
-            data = ray.get(ref)
+            data = ray.get(ref)  # counted as reply decode
         except RayActorError as exc:
             self._worker_died(slot, exc)
             return []
@@ -345,9 +382,9 @@ class LLMEngine:
             ray.get(slot.actor.reset.remote())
             self._requeue(slot)
             return []
-        t0 = time.perf_counter()
         reply = self._codec.decode_reply(data)
         t1 = time.perf_counter()
+        self.stats.add_worker_step(ready_at - slot.sent_at, reply.timings)
         changed = apply_reply(step, reply)
         for request in changed:
             self._release(request)

@@ -1,9 +1,10 @@
 """Merges a worker's reply into the sequences of the step it answers.
 
 The reply is flat arrays (tokens per row, the tokens, logprob matrices, prompt-logprob
-chunks); each row's slice goes to its sequence in one call, which appends the tokens,
-detokenizes them, checks the stop rules and extends the ``FlatLogprobs`` from the array
-slices. Nothing is built per token beyond the token text that logprobs carry.
+chunks); the logprob matrices become lists once per reply, and each row's slice goes to
+its sequence in one call, which appends the tokens, detokenizes them, checks the stop
+rules and appends each position to the ``FlatLogprobs`` with a few list extends. Nothing
+is built per token beyond the token text that logprobs carry.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
     num_sampled = reply.num_sampled.numpy()
     tokens = reply.sampled_token_ids.numpy()
     width = reply.logprobs_width
-    lp_ids = reply.logprob_token_ids.numpy().reshape(-1, width) if width else None
-    lp_vals = reply.logprobs.numpy().reshape(-1, width) if width else None
-    lp_ranks = reply.logprob_ranks.numpy() if width else None
+    # One conversion per reply; each row then takes plain list slices.
+    lp_ids = reply.logprob_token_ids.numpy().reshape(-1, width).tolist() if width else None
+    lp_vals = reply.logprobs.numpy().reshape(-1, width).tolist() if width else None
+    lp_ranks = reply.logprob_ranks.numpy().tolist() if width else None
 
     offset = 0
     for row, seq in enumerate(step.rows):

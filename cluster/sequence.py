@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-import numpy as np
-
 from cluster.detokenizer import IncrementalDetokenizer
 from sampler.logprobs import FlatLogprobs
 from sampler.params import SamplingParams
@@ -79,13 +77,13 @@ class Sequence:
     def append(
         self,
         token_ids: Seq[int],
-        logprob_ids: np.ndarray | None = None,
-        logprob_values: np.ndarray | None = None,
-        logprob_ranks: np.ndarray | None = None,
+        logprob_ids: Seq[list[int]] | None = None,
+        logprob_values: Seq[list[float]] | None = None,
+        logprob_ranks: Seq[int] | None = None,
     ) -> int:
         """Adds a step's tokens (several under speculative decoding) up to the first
-        that finishes the sequence; returns how many were kept. Logprob arrays are
-        ``[tokens, width]`` with the sampled token first."""
+        that finishes the sequence; returns how many were kept. Logprobs come as one
+        list per token (the sampled token first, then the top-k) and one rank each."""
         kept = 0
         for j, token in enumerate(token_ids):
             if self.finished:
@@ -98,13 +96,12 @@ class Sequence:
             self._after_token(token)
         return kept
 
-    def _record_logprobs(self, ids: np.ndarray, values: np.ndarray, rank: int) -> None:
+    def _record_logprobs(self, ids: list[int], values: list[float], rank: int) -> None:
         k = self.params.logprobs
-        width = len(ids) if k == -1 else min(k + 1, len(ids))
-        ids, values = ids[:width], values[:width]
-        texts = self.detokenizer.decode_tokens(ids.tolist())
-        self.logprobs.extend_arrays(ids[None, :], values[None, :], np.array([rank]), texts)
-        self.cumulative_logprob += float(values[0])
+        if k != -1 and k + 1 < len(ids):
+            ids, values = ids[: k + 1], values[: k + 1]
+        self.logprobs.append_position(ids, values, rank, self.detokenizer.decode_tokens(ids))
+        self.cumulative_logprob += values[0]
 
     def _after_token(self, token: int) -> None:
         n = len(self.output_token_ids)

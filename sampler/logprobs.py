@@ -72,6 +72,31 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition]):
             self.decoded_tokens.extend(texts)
         self.end_indices.append(len(self.logprobs))
 
+    def append_position(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        sampled_rank: int,
+        decoded_tokens: list[str | None] | None = None,
+    ) -> None:
+        """Appends one position from plain lists, the sampled token first and the top-k
+        after it (ranks 1..k): the driver's per-token path, a few list extends and no
+        per-entry objects beyond the values themselves."""
+        width = len(token_ids)
+        if len(logprobs) != width or (decoded_tokens is not None and len(decoded_tokens) != width):
+            raise ValueError("token_ids, logprobs and decoded_tokens must have one entry each")
+        start = len(self.logprobs)
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.ranks.append(sampled_rank)
+        self.ranks.extend(range(1, width))
+        if decoded_tokens is None:
+            self.decoded_tokens.extend(itertools.repeat(None, width))
+        else:
+            self.decoded_tokens.extend(decoded_tokens)
+        self.start_indices.append(start)
+        self.end_indices.append(start + width)
+
     def extend_arrays(
         self,
         token_ids: np.ndarray,

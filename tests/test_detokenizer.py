@@ -101,3 +101,16 @@ def test_logprob_token_texts(smol_tok):
     ids = smol_tok.encode("Hello world", add_special_tokens=False)
     d = IncrementalDetokenizer(smol_tok, [])
     assert "".join(d.decode_tokens(ids)) == "Hello world"
+
+
+def test_logprob_token_texts_cached_equal_one_decode_each(smol_tok):
+    """The shared token-text cache gives what decoding each id alone gives, repeated ids
+    and special tokens included, whichever sequence filled the cache first."""
+    ids = smol_tok.encode("Hello world, hello again! ünïcödé 日本", add_special_tokens=False)
+    ids = ids + ids[:3] + [smol_tok.eos_token_id]
+    want = [smol_tok.decode([t], skip_special_tokens=False) for t in ids]
+    first = IncrementalDetokenizer(smol_tok, [], skip_special_tokens=True)
+    second = IncrementalDetokenizer(smol_tok, [1, 2])
+    assert first.decode_tokens(ids[::2]) == want[::2]
+    assert second.decode_tokens(ids) == want
+    assert first.decode_tokens([]) == []

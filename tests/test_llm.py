@@ -46,6 +46,22 @@ def test_greedy_matches_generate_over_two_workers(llm, reference):
     assert all(w.scheduler.step_id > 0 for w in llm.engine.workers)
 
 
+def test_step_stats_split_the_time(llm):
+    """Every worker step reports its parts; they fit inside the driver-measured round
+    trip (the remainder is the Ray call), and the driver's parts are all counted."""
+    from cluster.engine import StepStats
+
+    llm.engine.stats = StepStats()
+    outs = llm.generate(prompts(VOCAB, [5, 60, 9, 30], seed=4), GREEDY, use_tqdm=False)
+    s = llm.engine.stats
+    # At least one step per generated token of the longest request (it prefills in chunks).
+    assert s.worker_steps >= 24 and s.steps >= s.worker_steps // 2
+    assert min(s.prepare, s.forward, s.sample, s.bookkeeping) > 0
+    assert min(s.schedule, s.encode, s.decode, s.merge, s.outputs) > 0
+    assert 0 < s.worker < s.round_trip and s.ray_call > 0
+    assert sum(len(tokens(o)) for o in outs) == 4 * 24
+
+
 def test_decode_first_swaps_keep_greedy_output(ray_local, tiny_model_path, llm):
     ps = prompts(VOCAB, [3, 150, 40, 90, 5, 120, 8, 71], seed=2)
     base = llm.generate(ps, GREEDY, use_tqdm=False)

@@ -408,10 +408,15 @@ def _arrays(draw):
 @given(_arrays(), st.lists(_position, max_size=3))
 def test_extend_arrays_equals_appending_one_by_one(arrays, prefix):
     tok, lp, ranks, decoded = arrays
-    for method in ("extend", "extend_arrays"):
+    for method in ("extend", "extend_arrays", "append_position"):
         got, _ = _build(prefix)
         want, _ = _build(prefix)
-        if method == "extend":
+        if method == "append_position":  # the driver's per-token path, from plain lists
+            width = tok.shape[1]
+            for p, (ids, vals, rank) in enumerate(zip(tok.tolist(), lp.tolist(), ranks.tolist())):
+                texts = None if decoded is None else decoded[p * width : (p + 1) * width]
+                got.append_position(ids, vals, rank, texts)
+        elif method == "extend":
             if decoded is None:
                 got.extend(tok, lp, ranks)
             else:
@@ -426,6 +431,16 @@ def test_extend_arrays_equals_appending_one_by_one(arrays, prefix):
         got.append({3: Logprob(-3.0, 1, "k")})
         want.append({3: Logprob(-3.0, 1, "k")})
         assert list(got) == list(want)
+
+
+def test_append_position_bad_input_raises_and_harms_nothing():
+    flat, ref = _build([{1: Logprob(-1.0, 1, "a")}])
+    with pytest.raises(ValueError):
+        flat.append_position([1, 2], [-0.5], 3)
+    with pytest.raises(ValueError):
+        flat.append_position([1, 2], [-0.5, -1.0], 3, ["a"])
+    _check_layout(flat)
+    assert list(flat) == ref
 
 
 def test_extend_arrays_example_ranks():

@@ -48,7 +48,8 @@ class Worker:
     def step(self, message: bytes) -> bytes:
         if self._runner is None:
             raise RuntimeError("step before load: call load(config) first")
-        reply = self._runner.execute(self._codec.decode_step(message))
+        started = time.perf_counter()
+        reply = self._runner.execute(self._codec.decode_step(message), started)
         self._steps += 1
         return self._codec.encode(reply)
 
@@ -72,9 +73,9 @@ class Worker:
         return self._runner.memory()
 
     def timings(self) -> dict[str, float]:
-        """Seconds in the last step's parts (prepare, forward, sample)."""
+        """Seconds in the last step's parts (what its reply's ``timings`` said)."""
         t = self._runner.timings if self._runner else None
-        return {} if t is None else {"prepare": t.prepare, "forward": t.forward, "sample": t.sample}
+        return {} if t is None else msgspec.structs.asdict(t)
 
     def reset(self) -> None:
         """Forgets every request; the model stays loaded."""

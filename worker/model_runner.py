@@ -10,7 +10,6 @@ flat arrays.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,20 +32,12 @@ from worker.protocol import (
     RowError,
     StepReply,
     StepRequest,
+    StepTimings,
     WorkerConfig,
     WorkerInfo,
 )
 
 UNSATISFIABLE = "no token is allowed: the request's constraints (allowed_token_ids, bad_words, logit_bias, ...) ban every token"
-
-
-@dataclass
-class StepTimings:
-    """Seconds spent in the parts of the last step (for the driver-overhead bench)."""
-
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
 
 
 class ModelRunner:
@@ -113,10 +104,12 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: StepRequest) -> StepReply:
+    def execute(self, step: StepRequest, started: float | None = None) -> StepReply:
         """Raises ``ProtocolError`` for a step that does not fit the batch (nothing
-        changed); a logits processor that raises fails the step with an error reply."""
-        t0 = time.perf_counter()
+        changed); a logits processor that raises fails the step with an error reply.
+        ``started`` (a ``perf_counter`` time) is when the step's message arrived: the
+        reply's ``timings.prepare`` counts from there."""
+        t0 = time.perf_counter() if started is None else started
         try:
             self.batch.apply(step)
             return self._run(step.step_id, step.num_scheduled_tokens.numpy().astype(np.int64), t0)
@@ -171,6 +164,7 @@ class ModelRunner:
         emitted, lp, failed = self._sample(
             logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width
         )
+        t3 = time.perf_counter()
         # Bookkeeping: cache lengths (past rejected drafts: they are simply overwritten
         # later) and the rows' tokens.
         failed_rows = {f.row for f in failed}
@@ -189,8 +183,6 @@ class ModelRunner:
         flat = [t for row, tokens in zip(s_rows.tolist(), emitted) if row not in failed_rows for t in tokens]
         drafts_per_row = np.zeros(n, dtype=np.int32)
         drafts_per_row[rows] = num_drafts
-        t3 = time.perf_counter()
-        self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
         reply = dict(
             version=PROTOCOL_VERSION, step_id=step_id,
             num_sampled=Int32Array.of(num_sampled), sampled_token_ids=Int32Array.of(flat),
@@ -207,7 +199,10 @@ class ModelRunner:
                 logprob_ranks=Int32Array.of(ranks[keep_mask]),
             )
         reply.update(prompt_reply)
-        return StepReply(**reply)
+        self.timings = StepTimings(
+            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, bookkeeping=time.perf_counter() - t3
+        )
+        return StepReply(**reply, timings=self.timings)
 
     # -- the parts --------------------------------------------------------------------
 

@@ -167,6 +167,22 @@ class RowError(msgspec.Struct, array_like=True, frozen=True):
     message: str
 
 
+class StepTimings(msgspec.Struct, array_like=True, frozen=True):
+    """Seconds the worker spent on one step, by part: ``prepare`` (message decode,
+    batch changes, attention plan, input ids), ``forward`` (the model),
+    ``sample`` (sampler, rejection sampler, prompt logprobs) and ``bookkeeping`` (the
+    rows' new tokens and the reply's arrays)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    bookkeeping: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.prepare + self.forward + self.sample + self.bookkeeping
+
+
 class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     """What one step produced, as flat arrays in row order.
 
@@ -179,7 +195,7 @@ class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     ``prompt_logprob_counts[i]`` prompt positions, each ``prompt_logprobs_width`` wide
     (the actual prompt token first).
     ``error`` set means the step failed as a whole (a logits processor raised): every
-    row is listed in ``failed``.
+    row is listed in ``failed``. ``timings`` say where the worker's time went.
     """
 
     version: int
@@ -200,6 +216,7 @@ class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     num_accepted_tokens: Int32Array = EMPTY_I32
     failed: list[RowError] = []
     error: str | None = None
+    timings: StepTimings | None = None
 
 
 # -- encoding --------------------------------------------------------------------------
