@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the benchmark scripts in tests/bench (a source checkout)")
     bench.add_argument("names", nargs="*", help="scripts to run (default: all), e.g. e2e worker_step")
     bench.add_argument("--quick", action="store_true", help="pass --quick to each script")
+    bench.add_argument("--out", type=Path, default=Path("bench-results"),
+                       help="folder for the scripts' results, results.md and throughput.png "
+                            "(default: %(default)s); running some scripts keeps the others' results")
     return ap
 
 
@@ -211,11 +214,19 @@ def _bench(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if unknown:
             ap.error(f"unknown benchmark(s) {unknown}; choose from {sorted(known)}")
         scripts = [known[n] for n in args.names]
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.names:  # a full run starts the table afresh
+        for stale in out.glob("*.json"):
+            stale.unlink()
+    env = {**os.environ, "RAYDECODE_BENCH_OUT": str(out)}
     failed = 0
     for script in scripts:
         print(f"== {script.stem}", flush=True)
         cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
-        failed += subprocess.run(cmd, cwd=folder.parent.parent).returncode != 0
+        failed += subprocess.run(cmd, cwd=folder.parent.parent, env=env).returncode != 0
+    print("== results", flush=True)
+    failed += subprocess.run([sys.executable, str(folder / "_report.py"), str(out)]).returncode != 0
     return 1 if failed else 0
 
 

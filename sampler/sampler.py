@@ -16,6 +16,7 @@ from sampler.logits_processor.interface import LogitsProcessor, LogitsProcessorE
 from sampler.metadata import SamplingMetadata
 from sampler.ops.bad_words import apply_bad_words
 from sampler.ops.penalties import apply_penalties
+from sampler.ops.topk import topk
 from sampler.ops.topk_topp import (
     Candidates,
     inverse_cdf_sample,
@@ -77,8 +78,11 @@ class Positions:
         return [list(outputs[r]) + p for r, p in zip(self.row_index.tolist(), self.prefixes)]
 
 
-def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    return logits.log_softmax(dim=-1, dtype=torch.float32)
+def compute_logprobs(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 log-softmax over the vocabulary, into ``out`` when given."""
+    if out is None:
+        return logits.log_softmax(dim=-1, dtype=torch.float32)
+    return torch.log_softmax(logits.float(), dim=-1, out=out)
 
 
 class Sampler:
@@ -98,6 +102,10 @@ class Sampler:
         copying them first (the worker's setting: its logits are not reused)."""
         self.config = config
         self.in_place = in_place
+        # Room for one [rows, vocab] float32 copy (the raw logprobs), kept between steps:
+        # a fresh tensor that size is page-faulted in on every step (tens of MB at a
+        # 150k vocabulary), which costs more than the log-softmax itself.
+        self._workspace: torch.Tensor | None = None
         self.logprobs_mode: LogprobsMode = logprobs_mode or (
             config.logprobs_mode if config is not None else "raw_logprobs"
         )
@@ -115,7 +123,8 @@ class Sampler:
         # 2. raw logprobs / logits, before anything touches them.
         raw = None
         if md.max_num_logprobs is not None and self.logprobs_mode.startswith("raw"):
-            raw = compute_logprobs(logits) if self.logprobs_mode == "raw_logprobs" else logits.clone()
+            out = self._scratch(logits)
+            raw = compute_logprobs(logits, out) if self.logprobs_mode == "raw_logprobs" else out.copy_(logits)
         # 3-7. allowed tokens, bad words, non-argmax-invariant processors, penalties,
         #      thinking-budget forcing.
         logits = self.apply_constraints(logits, md, positions)
@@ -143,7 +152,10 @@ class Sampler:
         logprobs_tensors = None
         if md.max_num_logprobs is not None:
             if raw is None:
-                raw = compute_logprobs(logits) if self.logprobs_mode == "processed_logprobs" else logits
+                raw = (
+                    compute_logprobs(logits, self._scratch(logits))
+                    if self.logprobs_mode == "processed_logprobs" else logits
+                )
             logprobs_tensors = gather_logprobs(raw, md.max_num_logprobs, sampled)
         return SamplerOutput(
             sampled_token_ids=sampled,
@@ -152,6 +164,16 @@ class Sampler:
         )
 
     __call__ = forward
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A float32 tensor shaped like ``like`` from the kept workspace (valid until the
+        next call: nothing built from it may outlive the step)."""
+        rows, vocab = like.shape
+        ws = self._workspace
+        if ws is None or ws.shape[0] < rows or ws.shape[1] != vocab or ws.device != like.device:
+            ws = self._workspace = torch.empty(max(rows, ws.shape[0] if ws is not None else 0), vocab,
+                                               dtype=torch.float32, device=like.device)
+        return ws[:rows]
 
     # -- the steps --------------------------------------------------------------------
 
@@ -317,7 +339,7 @@ def gather_logprobs(source: torch.Tensor, k: int, sampled: torch.Tensor) -> Logp
     sampled = sampled.long()
     sampled_values = source.gather(1, sampled.unsqueeze(1))
     if k > 0:
-        top_values, top_ids = source.topk(k, dim=-1)
+        top_values, top_ids = topk(source, k)
         ranks = (top_values >= sampled_values).sum(dim=-1)
         # A value at or below the k-th may have equals or betters past the top-k.
         full = (sampled_values[:, 0] <= top_values[:, -1]).nonzero().squeeze(1)

@@ -81,3 +81,23 @@ def test_logit_bias_applies_at_the_bonus_position():
     logits[:, 9] = 5.0
     md = metadata(params, vocab, spec_token_ids=[[4, 4], []])
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [3, 9]
+
+
+def test_penalties_on_a_non_contiguous_view_change_the_viewed_tensor():
+    """apply_penalties works in place through flat indices; a strided view (every other
+    vocabulary column) must get exactly what a contiguous copy gets."""
+    import numpy as np
+
+    from sampler.ops.penalties import apply_penalties
+
+    base = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    view = base[:, ::2]  # [3, 20], not contiguous
+    assert not view.is_contiguous()
+    prompts, outputs = [[1, 2, 2], [], [19]], [[3, 3, 3, 1], [0, 0], []]
+    args = (np.array([1.5, 1.0, 0.7], np.float32), np.array([0.3, 0.2, 0.0], np.float32),
+            np.array([0.1, 0.0, 0.4], np.float32))
+    want = apply_penalties(view.contiguous(), prompts, outputs, *args)
+    got = apply_penalties(view, prompts, outputs, *args)
+    assert got.data_ptr() == view.data_ptr()
+    torch.testing.assert_close(base[:, ::2], want)
+    torch.testing.assert_close(got, want)

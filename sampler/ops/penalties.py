@@ -1,8 +1,12 @@
 """Repetition, frequency and presence penalties, touching only the tokens that occur.
 
-The work is O(tokens in the batch): the (row, token) pairs of the prompts and outputs
-are deduplicated with numpy, and only those logits are gathered, changed and written
-back; nothing walks the whole ``[rows, vocab]`` tensor.
+The work is O(tokens in the batch), without sorting: the (row, token) pairs of the
+prompts and outputs become flat indices into the logits, and only those logits are
+gathered, changed and written back; nothing walks the whole ``[rows, vocab]`` tensor.
+A pair that occurs several times needs no deduplication: the once-only changes
+(repetition, presence) compute every copy's new value from the same gathered original
+and write it back (the same value wherever the pair repeats), and the frequency penalty
+is added once per occurrence.
 """
 
 from __future__ import annotations
@@ -39,26 +43,30 @@ def apply_penalties(
     penalty, the others multiplied. Then ``frequency * count`` and ``presence`` (once)
     are subtracted for tokens in the output.
     """
+    if not logits.is_contiguous():
+        return logits.copy_(apply_penalties(
+            logits.contiguous(), prompt_token_ids, output_token_ids,
+            repetition_penalties, frequency_penalties, presence_penalties,
+        ))
     vocab = logits.shape[1]
     device = logits.device
+    flat = logits.view(-1)
     rep_rows = np.flatnonzero(repetition_penalties != 1.0)
     if rep_rows.size:
         keys = pair_keys(output_token_ids, rep_rows, vocab)
         if prompt_token_ids is not None:
             keys = np.concatenate([keys, pair_keys(prompt_token_ids, rep_rows, vocab)])
-        seen = torch.from_numpy(np.unique(keys)).to(device)
-        r, t = seen // vocab, seen % vocab
-        values = logits[r, t]
-        penalty = torch.from_numpy(repetition_penalties).to(device)[r]
-        logits[r, t] = torch.where(values > 0, values / penalty, values * penalty)
-    freq_rows = np.flatnonzero((frequency_penalties != 0) | (presence_penalties != 0))
-    if freq_rows.size:
-        keys, counts = np.unique(pair_keys(output_token_ids, freq_rows, vocab), return_counts=True)
         if keys.size:
             keys_t = torch.from_numpy(keys).to(device)
-            r, t = keys_t // vocab, keys_t % vocab
-            freq = torch.from_numpy(frequency_penalties).to(device)[r]
-            pres = torch.from_numpy(presence_penalties).to(device)[r]
-            delta = freq * torch.from_numpy(counts).to(device, torch.float32) + pres
-            logits.index_put_((r, t), -delta, accumulate=True)
+            values = flat[keys_t]
+            penalty = torch.from_numpy(repetition_penalties).to(device)[keys_t // vocab]
+            flat[keys_t] = torch.where(values > 0, values / penalty, values * penalty)
+    freq_rows = np.flatnonzero((frequency_penalties != 0) | (presence_penalties != 0))
+    if freq_rows.size:
+        keys = pair_keys(output_token_ids, freq_rows, vocab)
+        if keys.size:
+            keys_t = torch.from_numpy(keys).to(device)
+            r = keys_t // vocab
+            flat[keys_t] = flat[keys_t] - torch.from_numpy(presence_penalties).to(device)[r]
+            flat.index_add_(0, keys_t, -torch.from_numpy(frequency_penalties).to(device)[r])
     return logits

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sampler.ops.topk import topk
+
 #: Candidate widths tried in turn before a row falls back to its whole vocabulary.
 CANDIDATE_WIDTHS = (64, 1024)
 #: Block size of the two-level inverse-CDF sampler.
@@ -38,7 +40,7 @@ def _truncate(
     were enough (top-k rows unless a tie at the k-th value runs past them; top-p rows if
     they hold p of the mass); and the mass they hold."""
     vocab = row_logits.shape[1]
-    vals, ids = row_logits.topk(width, dim=-1, sorted=True)
+    vals, ids = topk(row_logits, width, sorted=True)
     kth = vals.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
     has_k = k < vocab
     # (A -inf k-th value means every finite token is already a candidate.)

@@ -1,6 +1,7 @@
 """Logprobs at the driver: GC-tracked objects and time to merge 1000 positions x top-5
-into ``FlatLogprobs`` (what the driver does: one ``extend_arrays`` per position per step,
-from the reply's array slices) against vLLM's classic ``list[dict[int, Logprob]]``.
+into ``FlatLogprobs`` (what the driver does: the reply's logprob arrays become lists in
+one call per step, then one ``append_position`` per sampled token) against vLLM's
+classic ``list[dict[int, Logprob]]`` built from the same lists.
 
 Run: ``python tests/bench/logprobs_merge.py [--quick]``. Target (issue 6): the flat
 container's tracked objects <= 1% of the list-of-dicts'.
@@ -18,6 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from sampler.logprobs import FlatLogprobs, Logprob  # noqa: E402
+from _results import Row, emit  # noqa: E402
 from _timing import time_side_by_side  # noqa: E402
 
 TOP = 5
@@ -35,8 +37,9 @@ def make_reply(positions: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, n
 def merge_flat(reply) -> FlatLogprobs:
     ids, vals, ranks, texts = reply
     out = FlatLogprobs()
-    for p in range(len(ids)):  # one step's position at a time, as the driver merges
-        out.extend_arrays(ids[p : p + 1], vals[p : p + 1], ranks[p : p + 1], texts[p])
+    for p in range(len(ids)):  # one step's reply at a time, as the driver merges
+        row_ids, row_vals, row_ranks = ids[p : p + 1].tolist(), vals[p : p + 1].tolist(), ranks[p : p + 1].tolist()
+        out.append_position(row_ids[0], row_vals[0], row_ranks[0], texts[p])
     return out
 
 
@@ -44,8 +47,9 @@ def merge_dicts(reply) -> list[dict[int, Logprob]]:
     ids, vals, ranks, texts = reply
     out: list[dict[int, Logprob]] = []
     for p in range(len(ids)):
-        row_ids, row_vals = ids[p].tolist(), vals[p].tolist()
-        entry = {row_ids[0]: Logprob(row_vals[0], int(ranks[p]), texts[p][0])}
+        row_ids, row_vals, row_ranks = ids[p : p + 1].tolist(), vals[p : p + 1].tolist(), ranks[p : p + 1].tolist()
+        row_ids, row_vals = row_ids[0], row_vals[0]
+        entry = {row_ids[0]: Logprob(row_vals[0], row_ranks[0], texts[p][0])}
         for r in range(1, TOP + 1):
             entry[row_ids[r]] = Logprob(row_vals[r], r, texts[p][r])
         out.append(entry)
@@ -83,6 +87,13 @@ def main() -> None:
     print(f"{'GC-tracked objects':<28} | {flat_objs:>12} | {dict_objs:>10} | {share:7.2%} | <= 1%: {'met' if share <= 0.01 else 'NOT met'}")
     print(f"{'merge time (ms)':<28} | {times['flat'] * 1e3:12.2f} | {times['dicts'] * 1e3:10.2f} | "
           f"{times['dicts'] / times['flat']:6.2f}x |")
+    what = f"{args.positions} positions x top-{TOP}, FlatLogprobs vs list[dict]"
+    emit("logprobs_merge", [
+        Row(f"GC-tracked objects kept, {what}", str(flat_objs), str(dict_objs), f"{share:.2%}",
+            "<= 1%", share <= 0.01),
+        Row(f"merge time ms, {what}", f"{times['flat'] * 1e3:.2f}", f"{times['dicts'] * 1e3:.2f}",
+            f"{times['dicts'] / times['flat']:.2f}x"),
+    ])
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _results import Row, emit  # noqa: E402
 from _timing import time_side_by_side  # noqa: E402
 
 from sampler.params import SamplingParams  # noqa: E402
@@ -282,6 +283,11 @@ def main() -> None:
     for case, ours, theirs, ratio, target, size_ours, size_theirs in rows:
         print(f"{case:<15} | {ours * 1e6:10.1f} | {theirs * 1e6:9.1f} | {ratio:5.2f}x | "
               f"{target:<6} | {size_ours:9d} | {size_theirs:8d}")
+    emit("wire", [
+        Row(f"{case} µs, msgspec vs pickle ({size_ours} / {size_theirs} B)", f"{ours * 1e6:.1f}",
+            f"{theirs * 1e6:.1f}", f"{ratio:.2f}x", target, ratio >= 5 if target else None)
+        for case, ours, theirs, ratio, target, size_ours, size_theirs in rows if case.endswith("enc+dec")
+    ])
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from _results import Row, emit  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
 from worker.actor import create_worker, decode_info  # noqa: E402
 from worker.model_loader import default_model_path  # noqa: E402
@@ -125,6 +126,7 @@ def main() -> None:
           f"{platform.processor() or platform.machine()}")
     print(f"{'batch':>5} | {'ours tok/s':>10} | {'generate tok/s':>14} | {'ratio':>6} | {'target':>7} "
           f"| {'e2e ours s':>10} | {'e2e generate s':>14} | {'e2e ratio':>9}")
+    rows: list[Row] = []
     for b in args.batches:
         prompts = chat_prompts(tok, b)
         run_ours(actor, codec, prompts)  # warm-up
@@ -145,6 +147,12 @@ def main() -> None:
         target = f">= {TARGETS[b]}x" if b in TARGETS else ""
         print(f"{b:>5} | {ours_tps:>10.1f} | {gen_tps:>14.1f} | {ours_tps / gen_tps:>5.2f}x | {target:>7} "
               f"| {e2e_ours:>10.2f} | {e2e_gen:>14.2f} | {e2e_gen / e2e_ours:>8.2f}x")
+        ratio = ours_tps / gen_tps
+        rows.append(Row(f"worker decode tok/s vs model.generate, batch {b}", f"{ours_tps:.1f}",
+                        f"{gen_tps:.1f}", f"{ratio:.2f}x", target, ratio >= TARGETS[b] if b in TARGETS else None))
+    emit("worker_step", rows, notes=[
+        f"worker actor alone (bare driver loop, Ray calls included), SmolLM2-135M float32, {N} greedy tokens, "
+        f"median of {rounds} interleaved rounds; decode time of generate = time({N}) - time(1)"])
     ray.shutdown()
 
 
