@@ -62,13 +62,15 @@ def plot_series(records: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ax.set_xscale("log", base=2)
+    batches: set[int] = set()
     for rec in with_series:
         for system, points in rec["series"].items():
             xs = sorted(int(b) for b in points)
+            batches.update(xs)
             ax.plot(xs, [points[str(x)] for x in xs], marker="o", label=system)
-        ax.set_xticks(xs)
-    ax.set_xscale("log", base=2)
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xticks(sorted(batches), [str(b) for b in sorted(batches)])
+    ax.minorticks_off()
     ax.set_xlabel("batch size (requests running at once)")
     ax.set_ylabel("output tokens / s")
     ax.set_title(with_series[0]["series_label"] or "throughput vs batch size", fontsize=9)
