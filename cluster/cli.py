@@ -219,7 +219,8 @@ def _bench(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.names:  # a full run starts the table afresh
         for stale in out.glob("*.json"):
             stale.unlink()
-    env = {**os.environ, "RAYDECODE_BENCH_OUT": str(out)}
+    # The load before the first script: later ones would see the earlier ones' load.
+    env = {**os.environ, "RAYDECODE_BENCH_OUT": str(out), "RAYDECODE_BENCH_LOAD": f"{os.getloadavg()[0]:.2f}"}
     failed = 0
     for script in scripts:
         print(f"== {script.stem}", flush=True)

@@ -34,9 +34,9 @@ def markdown(records: list[dict], plot: str | None) -> str:
     dates = sorted(r["date"] for r in records)
     if dates:
         lines.append(f"Runs: {dates[0]} to {dates[-1]}")
-    busy = [r["bench"] for r in records if r["load_at_start"] > 0.5]
-    if busy:
-        lines.append(f"Other work was running when these started (load > 0.5): {', '.join(busy)}")
+    loads = sorted({f"{r['load_at_start']:.1f}" for r in records})
+    lines.append(f"1-minute load average before the run: {', '.join(loads)} "
+                 "(above 0.5 something else was running or had just stopped; nothing should run alongside)")
     lines += ["", "| " + " | ".join(TABLE_HEAD) + " |", "|" + "---|" * len(TABLE_HEAD)]
     for rec in records:
         for row in rec["rows"]:

@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 OUT_ENV = "RAYDECODE_BENCH_OUT"
-#: the 1-minute load average when the script started (before its own work adds to it)
-LOAD_AT_START = os.getloadavg()[0]
+LOAD_ENV = "RAYDECODE_BENCH_LOAD"
+#: the 1-minute load average before the run: as ``raydecode bench`` measured it before
+#: its first script (later scripts would see the earlier ones' load), else at import
+LOAD_AT_START = float(os.environ.get(LOAD_ENV) or os.getloadavg()[0])
 
 
 @dataclass

@@ -44,6 +44,7 @@ from worker.protocol import (  # noqa: E402
     Int32Array,
     MovedRows,
     StepReply,
+    StepTimings,
     StepRequest,
 )
 
@@ -122,6 +123,7 @@ class NaiveStepReply:
     num_accepted_tokens: list[int]
     failed: list[NaiveRowError]
     error: str | None
+    timings: list[float] | None
 
 
 def _plain(value: Any) -> Any:
@@ -156,6 +158,7 @@ def naive_step(step: StepRequest) -> NaiveStepRequest:
 def naive_reply(reply: StepReply) -> NaiveStepReply:
     fields = {name: _plain(getattr(reply, name)) for name in StepReply.__struct_fields__}
     fields["failed"] = [NaiveRowError(e.row, e.request_id, e.message) for e in reply.failed]
+    fields["timings"] = None if reply.timings is None else list(msgspec.structs.astuple(reply.timings))
     return NaiveStepReply(**fields)
 
 
@@ -221,6 +224,7 @@ def make_reply(rng: np.random.Generator) -> StepReply:
         logprob_token_ids=Int32Array.of(top.ravel()),
         logprobs=Float32Array.of(logprobs.ravel()),
         logprob_ranks=Int32Array.of(rng.integers(1, 4, BATCH)),
+        timings=StepTimings(prepare=0.0011, forward=0.1702, sample=0.0019, bookkeeping=0.0002),
     )
 
 
