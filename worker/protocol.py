@@ -178,10 +178,6 @@ class StepTimings(msgspec.Struct, array_like=True, frozen=True):
     sample: float = 0.0
     bookkeeping: float = 0.0
 
-    @property
-    def total(self) -> float:
-        return self.prepare + self.forward + self.sample + self.bookkeeping
-
 
 class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     """What one step produced, as flat arrays in row order.
