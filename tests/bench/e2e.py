@@ -434,8 +434,6 @@ def main() -> None:
                      f"{ours.driver_share:.1%} of wall")
         rows += rows_for(name, ours, static, cb, cb_label, min(n, args.max_num_seqs))
 
-    two_workers: dict[str, Result] = {}
-    ones: dict[str, Result] = {name: r for name, r in ours_by_name.items()}
     if not args.no_two_workers and args.num_workers == 1 and (os.cpu_count() or 1) >= 2:
         llm.shutdown()
         llm = LLM(model=None, num_workers=2, worker_num_cpus=(os.cpu_count() or 2) // 2,
@@ -443,10 +441,10 @@ def main() -> None:
         run_ours(llm, warm)
         for name, reqs in (("greedy", greedy), ("mix", mix)):
             print(f"running {name}: ours with two workers ...", flush=True)
-            two = two_workers[name] = run_ours(llm, reqs)
-            ratio = two.tps / ones[name].tps
+            two, one = run_ours(llm, reqs), ours_by_name[name]
+            ratio = two.tps / one.tps
             rows.append((name, "output tok/s, 2 workers x half the CPUs vs 1 worker x all", f"{two.tps:.1f}",
-                         f"{ones[name].tps:.1f}", f"{ratio:.2f}x", "-", "-"))
+                         f"{one.tps:.1f}", f"{ratio:.2f}x", "-", "-"))
 
     print()
     print_table(rows)

@@ -21,6 +21,7 @@ import copy
 import os
 import random
 import sys
+import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -48,8 +49,6 @@ def requests(stream: list[int], batch: int, tokens: int) -> list[Req]:
 
 
 def run_static_one_batch(model, pad: int, reqs: list[Req]) -> Result:
-    import time
-
     start = time.perf_counter()
     generate_padded(model, pad, reqs)
     return Result(time.perf_counter() - start, sum(r.max_tokens for r in reqs))
