@@ -5,28 +5,43 @@ params' ``output_kind``); ``abort(request_id)`` ends a request early.
 One background thread owns the ``LLMEngine`` and runs its loop; callers hand it new
 requests and aborts through a queue and receive outputs on per-request asyncio queues
 (``call_soon_threadsafe``), so many event loops may share one engine and a Ray Serve
-replica's loop never blocks on a step. Requests are validated in the caller, so a bad
-one raises ``ValueError`` from ``generate`` before anything is queued. A consumer that
-stops iterating (cancelled, disconnected) aborts its request.
+replica's loop never blocks on a step. Work on the caller's input (tokenizing,
+chat templating) runs on a separate thread too (``make_request``, ``render_chat``,
+``run_off_loop``): a huge prompt never stalls the event loop, and a bad one raises
+``ValueError`` before anything is queued. A consumer that stops iterating (cancelled,
+disconnected) aborts its request.
+
+The loop survives a step that raises (the engine handles worker faults itself; anything
+else is logged and retried); only ``MAX_LOOP_ERRORS`` failures in a row stop it, and then
+every stream gets ``EngineDeadError``. ``check_health`` says whether the loop is alive and
+coming round, and whether the engine has live workers and makes progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
-from cluster.inputs import PromptType
+from cluster.inputs import Conversation, PromptType, render_chat
 from cluster.outputs import RequestOutput
 from cluster.request import Request
 from sampler.params import SamplingParams
 
 logger = logging.getLogger("raydecode")
+
+#: Steps that raise one after another before the loop gives up.
+MAX_LOOP_ERRORS = 5
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -36,12 +51,15 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        # One thread: the tokenizer is shared, and order of arrival is kept.
+        self._inputs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydecode-inputs")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopped = False
         self._error: BaseException | None = None
+        self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="raydecode-engine", daemon=True)
         self._thread.start()
 
@@ -53,6 +71,43 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped
 
+    @property
+    def num_streams(self) -> int:
+        """Requests with a consumer attached (running or queued)."""
+        with self._lock:
+            return len(self._streams)
+
+    # -- input work, off the event loop -------------------------------------------------
+
+    async def run_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the input thread (tokenizing, templating)."""
+        return await asyncio.get_running_loop().run_in_executor(self._inputs, functools.partial(fn, *args, **kwargs))
+
+    async def make_request(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> Request:
+        """Validates and tokenizes off the event loop; ``ValueError`` for bad input."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+        request_id = request_id if request_id is not None else _random_id()
+        return await self.run_off_loop(
+            self.engine.make_request, request_id, prompt, sampling_params, priority=priority
+        )
+
+    async def render_chat(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
+        """A conversation through the chat template, as a token-id prompt, off the event
+        loop; ``ValueError`` when it cannot be rendered or cannot fit."""
+        return await self.run_off_loop(
+            render_chat, conversation, self.tokenizer, budget=self.engine.prompt_budget, **kwargs
+        )
+
+    # -- requests -------------------------------------------------------------------------
+
     async def generate(
         self,
         prompt: PromptType,
@@ -61,10 +116,16 @@ class AsyncLLM:
         *,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        request = await self.make_request(prompt, sampling_params, request_id, priority=priority)
+        async for out in self.stream(request):
+            yield out
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queues a request made by ``make_request`` and yields its outputs; leaving
+        early (or being cancelled) aborts it."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
-        request_id = request_id if request_id is not None else _random_id()
-        request = self.engine.make_request(request_id, prompt, sampling_params, priority=priority)
+        request_id = request.request_id
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -99,23 +160,55 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         engine = self.engine
-        try:
-            while not self._stopped:
+        errors = 0
+        while not self._stopped:
+            self._heartbeat = time.monotonic()
+            try:
                 self._apply_commands()
                 if not engine.has_unfinished_requests():
+                    engine.step(timeout=0)  # keeps replacing lost workers while idle
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                for out in engine.step(timeout=0.05):
-                    self._deliver(out.request_id, out)
-        except BaseException as exc:  # the loop must not die silently
-            logger.exception("the engine loop failed")
-            self._error = exc
-            self._stopped = True
-            with self._lock:
-                streams = list(self._streams)
-            for rid in streams:
-                self._deliver(rid, EngineDeadError(f"the engine loop failed: {exc!r}"))
+                outputs = engine.step(timeout=0.05)
+                errors = 0
+            except Exception as exc:
+                errors += 1
+                logger.exception("an engine step failed (%d in a row)", errors)
+                if errors >= MAX_LOOP_ERRORS:
+                    self._die(exc)
+                    return
+                time.sleep(min(1.0, 0.05 * 2**errors))
+                continue
+            except BaseException as exc:  # the loop must not die silently
+                self._die(exc)
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("the engine loop stopped: %r", exc)
+        self._error = exc
+        self._stopped = True
+        with self._lock:
+            streams = list(self._streams)
+        for rid in streams:
+            self._deliver(rid, EngineDeadError(f"the engine loop failed: {exc!r}"))
+
+    def check_health(self) -> None:
+        """Raises ``RuntimeError`` naming every problem: the loop stopped or is stuck,
+        no live worker for too long, no progress while requests wait."""
+        c = self.engine.config
+        problems = []
+        if not self.is_running:
+            problems.append(f"the engine loop stopped: {self._error!r}")
+        else:
+            stuck = time.monotonic() - self._heartbeat
+            if stuck > c.step_timeout_s + c.ray_call_timeout_s:
+                problems.append(f"the engine loop has not come round for {stuck:.0f} s")
+        problems += self.engine.health()["problems"]
+        if problems:
+            raise RuntimeError("; ".join(problems))
 
     def _apply_commands(self) -> None:
         while True:
@@ -147,6 +240,7 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._inputs.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -170,15 +171,13 @@ def _llm(cls: Any, args: argparse.Namespace) -> Any:
 def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
-    import ray
     from ray import serve
 
+    from cluster.ray_session import RaySession
     from cluster.serve_app import build_app
 
     if args.address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if not ray.is_initialized():
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
     engine: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.max_model_len is not None:
         engine["max_model_len"] = args.max_model_len
@@ -187,6 +186,9 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "api_key": args.api_key, "engine": engine,
         "chat_template": args.chat_template.read_text() if args.chat_template else None,
     })
+    # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    session = RaySession.connect(args.address)
     try:  # Ctrl-C at any point (even while starting) shuts Serve down cleanly
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="raydecode", route_prefix="/")
@@ -196,8 +198,22 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            # On a cluster we joined, only our application goes; on our own Ray, all of
+            # Serve does, and the session then stops Ray and reaps what it started.
+            if session.owns:
+                serve.shutdown()
+            else:
+                serve.delete("raydecode")
+        except Exception:
+            pass
+        session.close()
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 # -- bench ----------------------------------------------------------------------------

@@ -43,15 +43,42 @@ class EngineConfig:
     dtype: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
-    #: Ray resources per worker actor; None: one GPU each when the cluster has GPUs,
-    #: else an even share of the CPUs available when the engine starts
+    #: Ray resources per worker actor. None: one GPU each when the cluster has GPUs,
+    #: and one CPU (a scheduling token, not a thread cap: a second engine or a
+    #: replacement worker always has room)
     worker_num_cpus: float | None = None
     worker_num_gpus: float | None = None
     #: custom resources each worker requires (places workers on the nodes that offer them)
     worker_resources: dict[str, float] = field(default_factory=dict)
+    #: torch threads per worker; None: ``worker_num_cpus`` when set (>= 1), else the
+    #: cores of the worker's node split among this engine's workers on it
+    worker_num_threads: int | None = None
     #: seconds a worker may take to be placed and load its model (at start: an error;
-    #: a replacement for a dead worker: the engine serves on without it)
+    #: a replacement: it is dropped and another one tried, with backoff)
     worker_start_timeout_s: float = 300.0
+    #: a worker not placed after this many seconds is reported (log, health) with the
+    #: resources it asks for and what the cluster has
+    placement_report_s: float = 5.0
+    #: longest pause between attempts to replace a worker that failed to start
+    worker_restart_backoff_max_s: float = 30.0
+    #: a step that takes longer means its worker hangs: it is killed and replaced, its
+    #: requests re-queued
+    step_timeout_s: float = 300.0
+    #: every other call on a worker (fetching a reply, reset) gives up after this long
+    ray_call_timeout_s: float = 60.0
+    #: how long requests wait while no worker is alive before they fail (the health
+    #: check fails too once there has been no live worker for this long)
+    no_worker_timeout_s: float = 60.0
+    #: a request whose step failed this many times (its worker died or raised with it
+    #: in the batch) finishes with an error instead of being retried again
+    max_request_failures: int = 3
+    # -- bounds on one request (a ValueError / HTTP 400 beyond them) -------------------
+    #: samples per prompt (``n``)
+    max_n: int = 128
+    #: prompts x n in one call of the HTTP API
+    max_sequences_per_request: int = 1024
+    #: entries of ``stop``, and of ``bad_words``
+    max_stop_strings: int = 64
     #: extra keyword arguments for ``ray.init`` when the engine starts Ray
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -61,11 +88,17 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("num_workers", "max_num_seqs", "max_num_batched_tokens", "kv_block_size"):
+        for name in ("num_workers", "max_num_seqs", "max_num_batched_tokens", "kv_block_size",
+                     "max_request_failures", "max_n", "max_sequences_per_request", "max_stop_strings"):
             positive(name)
-        for name in ("long_prefill_token_threshold", "max_model_len", "kv_cache_tokens"):
+        for name in ("long_prefill_token_threshold", "max_model_len", "kv_cache_tokens", "worker_num_threads"):
             if getattr(self, name) is not None:
                 positive(name)
+        for name in ("worker_start_timeout_s", "placement_report_s", "worker_restart_backoff_max_s",
+                     "step_timeout_s", "ray_call_timeout_s", "no_worker_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not isinstance(self.num_spec_tokens, int) or self.num_spec_tokens < 0:

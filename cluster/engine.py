@@ -4,12 +4,18 @@
 msgspec message), waits for the first reply, merges the replies that are in, sends those
 workers their next steps at once (so the workers compute while the driver builds
 outputs), and returns the ``RequestOutput``s that changed. Not thread-safe: ``AsyncLLM``
-drives it from one thread.
+drives it from one thread (``make_request`` alone may run in another).
 
-A worker that dies (killed, node lost) shows up as ``RayActorError`` on its step call:
-everything it held goes back to the waiting queue with its tokens so far, the remaining
-workers take it, and a replacement actor is started; if the replacement cannot be placed
-within ``worker_start_timeout_s`` the engine serves on without it.
+Faults, one mechanism for all of them: whatever keeps a step from coming back (the worker
+died, its node or its reply object was lost, the step hung past ``step_timeout_s``, the
+worker raised, the step could not be sent or its reply not merged) is a *failed step*.
+Every sequence the worker held goes back to the waiting queue with its tokens so far, and
+each request that was in the failed step is charged one failure. A charged sequence
+runs alone on a worker until it gets past the point where it failed, so a request that
+crashes workers is found out exactly and, after ``max_request_failures``, finishes with
+an error by itself while the others carry on. A worker that died or hung is replaced
+(``WorkerPool``: a loop with backoff); one that raised is reset. While no worker is
+alive, requests wait at most ``no_worker_timeout_s`` and then fail with the reason.
 """
 
 from __future__ import annotations
@@ -18,45 +24,26 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
 from cluster.config import EngineConfig
-from cluster.inputs import PromptType, tokenize_prompt
+from cluster.inputs import PromptBudget, PromptType, tokenize_prompt
 from cluster.output_processor import apply_reply
 from cluster.outputs import RequestOutput
+from cluster.ray_session import RaySession
 from cluster.request import Request
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
-from sampler.params import SamplingParams
-from worker.actor import create_worker, decode_info
-from worker.model_loader import ModelLoadError, load_tokenizer
-from worker.protocol import Codec, StepTimings, WorkerInfo
+from cluster.worker_pool import WorkerPool, WorkerSlot
+from sampler.params import SamplingParams, check_text
+from worker.model_loader import load_tokenizer
+from worker.protocol import Codec, StepTimings
 
 logger = logging.getLogger("raydecode")
-
-
-@dataclass
-class WorkerSlot:
-    """One worker actor and the driver's view of it."""
-
-    index: int
-    actor: Any
-    load_ref: Any = None  # while the model loads
-    started_at: float = field(default_factory=time.monotonic)
-    info: WorkerInfo | None = None
-    scheduler: WorkerScheduler | None = None
-    inflight: Any = None  # ObjectRef of the running step
-    step: ScheduledStep | None = None
-    sent_at: float = 0.0  # perf_counter time the running step was handed to Ray
-
-    @property
-    def live(self) -> bool:
-        return self.scheduler is not None
 
 
 @dataclass
@@ -112,67 +99,46 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config = config or EngineConfig(**kwargs)
-        self._connect_ray()
-        self.tokenizer, self.model_name = load_tokenizer(config.model, config.trust_remote_code)
-        self._codec = Codec()
-        self._worker_config = msgspec.msgpack.encode(config.worker_config())
-        self._worker_ids = itertools.count()
-        self.workers = [self._start_worker() for _ in range(config.num_workers)]
-        for slot in self.workers:
-            try:
-                info = decode_info(ray.get(slot.load_ref, timeout=config.worker_start_timeout_s))
-            except RayTaskError as exc:
-                self.shutdown()
-                raise ModelLoadError(f"a worker could not load the model: {exc.cause}") from None
-            except GetTimeoutError:
-                self.shutdown()
-                raise RuntimeError(
-                    f"worker actors were not ready within {config.worker_start_timeout_s} s: each "
-                    f"needs {self._worker_resources()} and the cluster has "
-                    f"{ray.available_resources()} available"
-                ) from None
-            self._activate(slot, info)
+        self.ray = RaySession.connect(config.address, config.ray_init_kwargs)
+        try:
+            self.tokenizer, self.model_name = load_tokenizer(config.model, config.trust_remote_code)
+            self._codec = Codec()
+            self.pool = WorkerPool(config)
+            for slot in self.pool.start():
+                self._activate(slot)
+        except BaseException:
+            self.ray.close()
+            raise
         infos = [w.info for w in self.workers]
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = infos[0].vocab_size
         self.eos_token_ids = list(infos[0].eos_token_ids)
         # Every worker must be able to hold any request alone (they share one queue).
         self.max_kv_tokens = min(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
+        self.prompt_budget = PromptBudget.for_tokenizer(self.tokenizer, self.max_model_len - 1)
         self.waiting = WaitingQueue()
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._pending_outputs: dict[str, Request] = {}
         self.stats = StepStats()
-        self.num_worker_failures = 0
+        #: monotonic time of the last completed (or failed) step, or of being idle
+        self.last_progress = time.monotonic()
+        self._no_worker_since: float | None = None
 
     # -- workers ------------------------------------------------------------------------
 
-    def _connect_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        kwargs = {"include_dashboard": False, "log_to_driver": False, **self.config.ray_init_kwargs}
-        ray.init(address=self.config.address, **kwargs)
+    @property
+    def workers(self) -> list[WorkerSlot]:
+        return self.pool.slots
 
-    def _worker_resources(self) -> dict[str, Any]:
-        c = self.config
-        gpus = c.worker_num_gpus
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        cpus = c.worker_num_cpus
-        if cpus is None:
-            free = ray.available_resources().get("CPU", 1)
-            cpus = 1 if gpus else max(1, int(free // c.num_workers))
-        return {"num_gpus": gpus, "num_cpus": cpus, "resources": dict(c.worker_resources)}
+    @property
+    def num_worker_failures(self) -> int:
+        return self.pool.num_failures
 
-    def _start_worker(self) -> WorkerSlot:
-        actor = create_worker(**self._worker_resources())
-        return WorkerSlot(next(self._worker_ids), actor, load_ref=actor.load.remote(self._worker_config))
-
-    def _activate(self, slot: WorkerSlot, info: WorkerInfo) -> None:
-        c = self.config
+    def _activate(self, slot: WorkerSlot) -> None:
+        c, info = self.config, slot.info
         rows = min(c.max_num_seqs, info.max_num_seqs)
         kv_tokens = c.kv_cache_tokens or rows * info.max_model_len
-        slot.info, slot.load_ref = info, None
         slot.scheduler = WorkerScheduler(
             max_rows=rows,
             max_num_batched_tokens=c.max_num_batched_tokens,
@@ -182,37 +148,13 @@ class LLMEngine:
             num_spec_tokens=c.num_spec_tokens,
             decodes_first=c.decodes_first,
         )
+        self.pool.activated(slot)
 
-    def _poll_starting(self) -> None:
-        """Activates replacements whose model has loaded; gives up on stuck ones."""
-        for slot in [w for w in self.workers if w.load_ref is not None]:
-            ready, _ = ray.wait([slot.load_ref], timeout=0)
-            if ready:
-                try:
-                    self._activate(slot, decode_info(ray.get(slot.load_ref)))
-                    logger.warning("replacement worker %d is serving", slot.index)
-                except (RayActorError, RayTaskError) as exc:
-                    logger.warning("replacement worker %d failed to load: %s", slot.index, exc)
-                    self.workers.remove(slot)
-            elif time.monotonic() - slot.started_at > self.config.worker_start_timeout_s:
-                logger.warning("replacement worker %d could not be placed; serving without it", slot.index)
-                ray.kill(slot.actor, no_restart=True)
-                self.workers.remove(slot)
-
-    def _worker_died(self, slot: WorkerSlot, exc: Exception) -> None:
-        self.num_worker_failures += 1
-        requeued = self._requeue(slot)
-        logger.warning("worker %d died (%s); re-queued %d sequences", slot.index, type(exc).__name__, requeued)
-        self.workers.remove(slot)
-        self.workers.append(self._start_worker())
-
-    def _requeue(self, slot: WorkerSlot) -> int:
-        """Puts every unfinished sequence the worker held back on the waiting queue (with
-        its tokens so far); returns how many."""
-        seqs = [s for s in (slot.scheduler.release_all() if slot.scheduler else []) if not s.finished]
-        for seq in seqs:
-            self.waiting.push(seq)
-        return len(seqs)
+    def _maintain_workers(self) -> None:
+        """Makes freshly loaded workers live and keeps replacements coming."""
+        for slot in self.pool.poll():
+            self._activate(slot)
+            logger.warning("worker %d is serving", slot.index)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -225,16 +167,30 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validates and builds a request without queueing it (safe from any thread)."""
+        """Validates and builds a request without queueing it (safe from any thread:
+        ``AsyncLLM`` runs it off the event loop, since it tokenizes)."""
+        c = self.config
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        check_text("request_id", request_id)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
+        if priority != 0 and c.scheduling_policy != "priority":
             raise ValueError("priority needs scheduling_policy='priority'")
-        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
-        params.verify(self.vocab_size, self.config.max_logprobs)
+        if params.n > c.max_n:
+            raise ValueError(f"n must be at most {c.max_n} (the server's max_n), got {params.n}")
+        for name in ("stop", "bad_words"):
+            entries = getattr(params, name) or ()
+            if len(entries) > c.max_stop_strings:
+                raise ValueError(
+                    f"{name} may hold at most {c.max_stop_strings} entries (the server's "
+                    f"max_stop_strings), got {len(entries)}"
+                )
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, self.prompt_budget)
+        params.verify(self.vocab_size, c.max_logprobs)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise ValueError(
@@ -247,7 +203,7 @@ class LLMEngine:
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                 f"max_model_len is {limit} (at most {limit - len(ids)} new tokens)"
             )
-        if len(ids) + max_tokens + self.config.num_spec_tokens > self.max_kv_tokens:
+        if len(ids) + max_tokens + c.num_spec_tokens > self.max_kv_tokens:
             raise ValueError(
                 f"the request needs {len(ids) + max_tokens} KV tokens; a worker holds at most "
                 f"{self.max_kv_tokens} (kv_cache_tokens)"
@@ -258,7 +214,7 @@ class LLMEngine:
         params = params.clone(**changes)
         params.tokenize_bad_words(self.tokenizer)
         return Request(
-            str(request_id), text, ids, params, self.tokenizer, limit, next(self._order),
+            request_id, text, ids, params, self.tokenizer, limit, next(self._order),
             priority=priority, arrival_time=arrival_time,
         )
 
@@ -269,6 +225,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        request.enqueued_at = time.monotonic()
         for seq in request.sequences:
             self.waiting.push(seq)
         return request
@@ -283,6 +240,12 @@ class LLMEngine:
             request.finish("abort")
             self._release(request)
             self._pending_outputs[rid] = request
+
+    def _fail(self, request: Request, message: str) -> None:
+        """Finishes ``request`` with an error (its own, nobody else's)."""
+        request.finish("error", message)
+        self._release(request)
+        self._pending_outputs[request.request_id] = request
 
     def _release(self, request: Request) -> None:
         """Frees the rows of finished sequences; forgets the request once all are done."""
@@ -314,26 +277,37 @@ class LLMEngine:
     def step(self, timeout: float = 1.0) -> list[RequestOutput]:
         """Runs until at least one worker replied (or ``timeout`` passed) and returns the
         outputs of the requests that changed."""
-        self._poll_starting()
+        self._maintain_workers()
         self._dispatch()
-        changed: dict[str, Request] = dict(self._pending_outputs)
-        self._pending_outputs.clear()
         busy = [w for w in self.workers if w.inflight is not None]
         if busy:
             t0 = time.perf_counter()
-            ready, _ = ray.wait([w.inflight for w in busy], num_returns=1, timeout=timeout)
+            # Wake up in time to notice a step that outlives step_timeout_s.
+            now = time.monotonic()
+            first_deadline = min(w.sent_monotonic for w in busy) + self.config.step_timeout_s
+            wait_for = max(0.0, min(timeout, first_deadline - now))
+            ready, _ = ray.wait([w.inflight for w in busy], num_returns=1, timeout=wait_for)
             if ready:
                 ready, _ = ray.wait([w.inflight for w in busy], num_returns=len(busy), timeout=0)
             ready_at = time.perf_counter()
             self.stats.wait += ready_at - t0
-            done = {r for r in ready}
-            for slot in [w for w in busy if w.inflight in done]:
-                for request in self._receive(slot, ready_at):
-                    changed[request.request_id] = request
+            done = set(ready)
+            for slot in busy:
+                if slot.inflight in done:
+                    self._receive(slot, ready_at)
+                elif time.monotonic() - slot.sent_monotonic > self.config.step_timeout_s:
+                    self._step_failed(
+                        slot, slot.step, f"worker {slot.index} hung: step {slot.step.message.step_id} "
+                        f"took longer than step_timeout_s={self.config.step_timeout_s} s", lost=True,
+                    )
             self._dispatch()  # the workers run the next step while outputs are built
         elif self.requests and not any(w.live for w in self.workers):
-            self._wait_for_workers(timeout, changed)
+            self._wait_for_workers(timeout)
+        if not self.requests:
+            self.last_progress = time.monotonic()
+        self._expire_without_workers()
         t0 = time.perf_counter()
+        changed, self._pending_outputs = self._pending_outputs, {}
         outputs = [o for o in (r.make_output() for r in changed.values()) if o is not None]
         self.stats.outputs += time.perf_counter() - t0
         self.stats.steps += 1
@@ -360,56 +334,138 @@ class LLMEngine:
             for seq in step.rows:
                 if seq.request.metrics.first_scheduled_time is None:
                     seq.request.metrics.first_scheduled_time = now
-            message = self._codec.encode(step.message)
+            try:
+                message = self._codec.encode(step.message)
+                slot.inflight = slot.actor.step.remote(message)
+            except Exception as exc:  # nothing was sent: the worker's batch is as it was
+                logger.exception("step %d for worker %d could not be sent", step.message.step_id, slot.index)
+                self._step_failed(slot, step, f"the step could not be sent: {exc!r}", lost=False)
+                continue
             slot.step = step
             slot.sent_at = time.perf_counter()
+            slot.sent_monotonic = time.monotonic()
             self.stats.encode += slot.sent_at - t1
-            slot.inflight = slot.actor.step.remote(message)
 
-    def _receive(self, slot: WorkerSlot, ready_at: float) -> list[Request]:
+    def _receive(self, slot: WorkerSlot, ready_at: float) -> None:
         ref, step = slot.inflight, slot.step
         slot.inflight, slot.step = None, None
         t0 = time.perf_counter()
         try:
-            data = ray.get(ref)  # counted as reply decode
-        except RayActorError as exc:
-            self._worker_died(slot, exc)
-            return []
+            data = ray.get(ref, timeout=self.config.ray_call_timeout_s)  # counted as reply decode
         except RayTaskError as exc:
-            # The worker refused the step (a driver bug): its batch is intact but no
-            # longer matches ours, so start it afresh and re-place its sequences.
-            logger.error("worker %d refused step %d: %s", slot.index, step.message.step_id, exc.cause)
-            ray.get(slot.actor.reset.remote())
-            self._requeue(slot)
-            return []
-        reply = self._codec.decode_reply(data)
-        t1 = time.perf_counter()
-        self.stats.add_worker_step(ready_at - slot.sent_at, reply.timings)
-        changed = apply_reply(step, reply)
+            # The worker raised (a bug, or a request that breaks the model); it is alive.
+            self._step_failed(slot, step, f"worker {slot.index} raised on step {step.message.step_id}: {exc.cause!r}", lost=False)
+            return
+        except RayError as exc:
+            # It died, its node went, the reply object was lost, or it cannot be fetched.
+            self._step_failed(slot, step, f"worker {slot.index} lost on step {step.message.step_id} ({type(exc).__name__})", lost=True)
+            return
+        try:
+            reply = self._codec.decode_reply(data)
+            t1 = time.perf_counter()
+            self.stats.add_worker_step(ready_at - slot.sent_at, reply.timings)
+            changed = apply_reply(step, reply)
+        except Exception as exc:  # a reply the driver cannot use: a bug on either side
+            logger.exception("the reply of step %d from worker %d could not be merged", step.message.step_id, slot.index)
+            self._step_failed(slot, step, f"the reply of step {step.message.step_id} could not be merged: {exc!r}", lost=False)
+            return
+        self.last_progress = time.monotonic()
         for request in changed:
             self._release(request)
+            self._pending_outputs[request.request_id] = request
         self.stats.decode += t1 - t0
         self.stats.merge += time.perf_counter() - t1
-        return changed
 
-    def _wait_for_workers(self, timeout: float, changed: dict[str, Request]) -> None:
-        starting = [w.load_ref for w in self.workers if w.load_ref is not None]
+    def _step_failed(self, slot: WorkerSlot, step: ScheduledStep | None, reason: str, lost: bool) -> None:
+        """A step that will not come back (see the module docstring). ``lost``: the
+        worker died or hung and is replaced; otherwise it is reset and serves on."""
+        slot.inflight, slot.step = None, None
+        in_step = {id(s) for s in step.rows} if step is not None else set()
+        charged: set[int] = set()
+        for seq in slot.scheduler.release_all():
+            if seq.finished:
+                continue
+            request = seq.request
+            if id(seq) in in_step:
+                seq.suspect_until = len(seq.output_token_ids)
+                if id(request) not in charged:
+                    charged.add(id(request))
+                    request.num_failures += 1
+            if request.num_failures >= self.config.max_request_failures:
+                if not request.finished:
+                    self._fail(request, f"the request failed {request.num_failures} times "
+                                        f"(max_request_failures): {reason}")
+            else:
+                self.waiting.push(seq)
+        logger.warning("%s; %d requests charged a failure, their sequences re-queued", reason, len(charged))
+        self.last_progress = time.monotonic()
+        if not lost:
+            try:
+                ray.get(slot.actor.reset.remote(), timeout=self.config.ray_call_timeout_s)
+                return
+            except RayError as exc:
+                reason = f"{reason}; then its reset failed ({type(exc).__name__})"
+        self.pool.lost(slot, reason)
+
+    def _wait_for_workers(self, timeout: float) -> None:
+        """No live worker: wait (bounded) for a starting one."""
+        starting = [w.ready_ref if not w.placed else w.load_ref for w in self.workers if not w.live]
+        starting = [r for r in starting if r is not None]
         if starting:
-            ray.wait(starting, num_returns=1, timeout=timeout)
+            ray.wait(starting, num_returns=1, timeout=min(timeout, 0.5))
+        else:
+            time.sleep(min(timeout, 0.1))
+
+    def _expire_without_workers(self) -> None:
+        """While no worker is alive, a request waits at most ``no_worker_timeout_s``."""
+        if any(w.live for w in self.workers):
+            self._no_worker_since = None
             return
-        # No worker left and none coming: nothing can run what is queued.
+        now = time.monotonic()
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+        limit = self.config.no_worker_timeout_s
         for request in list(self.requests.values()):
-            request.finish("error", "no live workers: every worker died and none could be started")
-            self._release(request)
-            changed[request.request_id] = request
+            if now - max(request.enqueued_at, self._no_worker_since) > limit:
+                self._fail(request, f"no live worker for {limit:.0f} s (no_worker_timeout_s); "
+                                    f"last worker error: {self.pool.last_error}")
+
+    # -- health -------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """``healthy`` is False (with ``problems`` saying why) when no worker has been
+        alive for ``no_worker_timeout_s``, or no step completed for longer than a step
+        may take while requests wait. ``warnings`` name workers that cannot be placed.
+        Safe to call from another thread."""
+        c, now = self.config, time.monotonic()
+        problems = []
+        since = self._no_worker_since
+        if since is not None and now - since > c.no_worker_timeout_s:
+            problems.append(f"no live worker for {now - since:.0f} s; last worker error: {self.pool.last_error}")
+        stalled = now - self.last_progress
+        if self.requests and stalled > c.step_timeout_s + c.ray_call_timeout_s:
+            problems.append(f"no step completed for {stalled:.0f} s while {len(self.requests)} requests wait")
+        workers = list(self.workers)
+        return {
+            "healthy": not problems,
+            "problems": problems,
+            "warnings": self.pool.problems(),
+            "live_workers": sum(w.live for w in workers),
+            "starting_workers": sum(not w.live for w in workers),
+            "worker_failures": self.pool.num_failures,
+            "running_requests": len(self.requests),
+            "waiting_sequences": len(self.waiting),
+        }
 
     def shutdown(self) -> None:
-        for slot in self.workers:
-            try:
-                ray.kill(slot.actor, no_restart=True)
-            except Exception:  # already gone
-                pass
-        self.workers = []
+        """Stops the workers; if this engine started Ray, stops Ray and every process
+        it started (nothing else)."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown()
+        ray_session = getattr(self, "ray", None)
+        if ray_session is not None:
+            ray_session.close()
 
     def __del__(self) -> None:  # best effort; shutdown() is the real way
         try:

@@ -27,10 +27,46 @@ from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.outputs import CompletionOutput, RequestOutput
-from sampler.params import RequestOutputKind, SamplingParams
+from sampler.params import RequestOutputKind, SamplingParams, text_problem
+
+
+def find_bad_text(data: Any, path: str = "") -> str | None:
+    """The first string in a decoded JSON body that is not valid Unicode text (a lone
+    surrogate, which JSON's ``\\ud800`` escape can carry), as ``"field.path: why"``."""
+    if isinstance(data, str):
+        problem = text_problem(data)
+        return f"{path or 'body'} {problem}" if problem else None
+    if isinstance(data, dict):
+        for key, value in data.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and text_problem(key):
+                return f"{where} (a key) {text_problem(key)}"
+            found = find_bad_text(value, where)
+            if found:
+                return found
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found = find_bad_text(value, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class TextOnlyModel(BaseModel):
+    """A request body whose every string, at any depth, must be valid Unicode text:
+    checked on the raw body before any field is parsed, so nothing past the HTTP edge
+    ever meets a lone surrogate."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, data: Any) -> Any:
+        found = find_bad_text(data)
+        if found:
+            raise ValueError(found)
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +74,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(TextOnlyModel):
     """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
     model_config = ConfigDict(extra="forbid")

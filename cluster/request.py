@@ -47,9 +47,14 @@ class Request:
         self.prompt_logprobs: FlatLogprobs | None = (
             create_prompt_logprobs() if params.prompt_logprobs is not None else None
         )
+        #: failed steps this request was in (the engine fails it at max_request_failures)
+        self.num_failures = 0
+        self.enqueued_at = 0.0  # monotonic time the engine queued it
         self.sequences: list[Sequence] = []
         for i in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            # The engine's order number makes the id unique whatever the caller's id
+            # looks like ("a" with n=2 next to a request named "a#1", say).
+            seq_id = f"{order}.{i}"
             seq = Sequence(seq_id, i, prompt_token_ids, child_params(params, i), tokenizer, max_model_len)
             seq.request, seq.priority, seq.order = self, priority, order
             self.sequences.append(seq)

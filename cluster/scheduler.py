@@ -12,10 +12,12 @@ prefill chunks. The resulting ``BatchUpdate`` becomes the step message.
 
 Per step: running sequences first, in (priority, arrival) order, each taking its
 uncomputed tokens up to the step's token budget (long prefills in chunks), then waiting
-sequences while rows, budget, KV blocks and the worker's fair share allow. When a running
-sequence needs KV blocks that are not free, the newest running sequence (the highest
-(priority, arrival)) is preempted: its row and blocks are freed and it goes back to the
-waiting queue with its tokens so far, to be added again later with its output tokens.
+sequences while rows, budget, KV blocks and the worker's fair share allow (a *suspect*,
+a sequence that was in a failed step, is placed only on an empty worker and keeps it to
+itself until it gets past the point of failure). When a running sequence needs KV
+blocks that are not free, the newest running sequence (the highest (priority, arrival))
+is preempted: its row and blocks are freed and it goes back to the waiting queue with
+its tokens so far, to be added again later with its output tokens.
 """
 
 from __future__ import annotations
@@ -170,8 +172,12 @@ class WorkerScheduler:
             waiting.push(seq)
 
         num_held = self.num_running
-        while waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted:
+        # A suspect (it was in a failed step) runs alone until it gets past that point.
+        alone = any(s is not None and s.suspect for s in self.rows)
+        while waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted and not alone:
             seq = waiting.peek()
+            if seq.suspect and num_held:
+                break  # it waits for this worker (or another) to drain
             n = min(seq.num_tokens, budget, self.chunk_limit)
             need = self._blocks_needed(seq, n)
             if need > self.free_blocks:
@@ -182,6 +188,7 @@ class WorkerScheduler:
             planned[id(seq)] = n
             budget -= n
             num_held += 1
+            alone = seq.suspect
 
         self._condense()
         if self.decodes_first:

@@ -55,6 +55,15 @@ class Sequence:
         #: prompt-logprob positions the current placement has sent (a resumed sequence
         #: recomputes its prompt; positions already recorded are skipped)
         self.prompt_logprobs_seen = 0
+        #: output length when a step it was in failed: until it has more output than
+        #: that, it runs alone (see ``suspect``); -1: never failed
+        self.suspect_until = -1
+
+    @property
+    def suspect(self) -> bool:
+        """It was in a step that failed and has not got past that point yet: it runs
+        alone on a worker, so a second failure is certainly its own."""
+        return len(self.output_token_ids) <= self.suspect_until
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

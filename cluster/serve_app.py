@@ -31,7 +31,6 @@ from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
-from cluster.inputs import render_chat
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -117,51 +116,58 @@ class _StreamUsage:
         return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
 
 
-async def _first_or_error(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput | None]:
-    """Each stream's first output, awaited before the response starts, so a request the
-    engine rejects still gets a proper HTTP error status."""
-    firsts: list[RequestOutput | None] = []
-    for s in streams:
-        try:
-            firsts.append(await s.__anext__())
-        except StopAsyncIteration:
-            firsts.append(None)
-    return firsts
+async def _run_all(awaitables: list[Any]) -> list[Any]:
+    """Runs ``awaitables`` together; if one fails or the caller is cancelled (the
+    client left), the others are cancelled and awaited before this returns, so every
+    stream they were reading is closed (and its request aborted)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]):
-    """(stream index, output) pairs from several streams, as they come."""
-    for i, out in enumerate(firsts):
-        if out is not None:
-            yield i, out
+_DONE = object()
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) pairs from several streams, as they come. However it
+    ends (all done, an error, the consumer cancelled or closed it), every reader task
+    is cancelled and awaited and every stream closed: nothing is left running."""
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
 
     async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in s:
-                await queue.put((i, out))
-        except BaseException as exc:  # handed to the consumer
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, done))
+                await queue.put((i, out, None))
+            await queue.put((i, _DONE, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the consumer
+            await queue.put((i, None, exc))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if not (firsts[i] and firsts[i].finished)]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)
     try:
         while remaining:
-            i, item = await queue.get()
-            if item is done:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is _DONE:
                 remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
             else:
-                yield i, item
+                yield i, out
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
-            await s.aclose()
+            try:
+                await s.aclose()
+            except Exception:  # closing must not stop the others from closing
+                pass
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
@@ -175,9 +181,10 @@ class OpenAIServer:
         self.created = int(time.time())
 
     def check_health(self) -> None:
-        """Serve restarts the replica when this raises."""
-        if not self.llm.is_running:
-            raise RuntimeError("the engine loop stopped")
+        """Serve restarts the replica when this raises: the engine loop stopped or is
+        stuck, no worker alive for ``no_worker_timeout_s``, no progress while requests
+        wait (``AsyncLLM.check_health``)."""
+        self.llm.check_health()
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -188,15 +195,33 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    async def _run(self, prompt: Any, params: Any, rid: str, priority: int) -> AsyncIterator[RequestOutput]:
+    async def _requests(self, prompts: list[Any], params: Any, rid: str, priority: int) -> list[Any]:
+        """Every prompt validated and tokenized (off the event loop) before any is
+        queued: a bad one is a 400 naming it, and nothing was started."""
+        engine = self.llm.engine
+        n = getattr(params, "n", 1)
+        if len(prompts) * n > engine.config.max_sequences_per_request:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} is more than the server's "
+                                f"max_sequences_per_request={engine.config.max_sequences_per_request}",
+                           "BadRequestError", "prompt")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            try:
+                requests.append(await self.llm.make_request(prompt, params, f"{rid}-{i}", priority=priority))
+            except ValueError as exc:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise APIError(400, f"{where}{exc}", "BadRequestError") from None
+            except EngineDeadError as exc:
+                raise APIError(503, str(exc), "ServiceUnavailableError") from None
+        return requests
+
+    async def _outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
+        """A queued request's outputs; its failure is a 500 for it alone."""
         try:
-            stream = self.llm.generate(prompt, params, rid, priority=priority)
-            async for out in stream:
+            async for out in self.llm.stream(request):
                 if out.error:
                     raise APIError(500, f"the request failed: {out.error}", "InternalServerError")
                 yield out
-        except ValueError as exc:
-            raise APIError(400, str(exc), "BadRequestError") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "ServiceUnavailableError") from None
 
@@ -210,15 +235,17 @@ class OpenAIServer:
     # -- routes -------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health(self) -> dict[str, Any]:
-        engine = self.llm.engine
-        return {
-            "status": "ok" if self.llm.is_running else "stopped",
-            "model": self.model_name,
-            "running_requests": engine.num_unfinished_requests,
-            "live_workers": sum(w.live for w in engine.workers),
-            "rss_bytes": psutil.Process().memory_info().rss,
-        }
+    async def health(self) -> JSONResponse:
+        """200 when the engine can serve, 503 (with the problems) when it cannot."""
+        state = self.llm.engine.health()
+        try:
+            self.llm.check_health()
+            status = "ok"
+        except RuntimeError as exc:
+            status, state["problems"] = "unhealthy", str(exc).split("; ")
+        body = {"status": status, "model": self.model_name, **state,
+                "rss_bytes": psutil.Process().memory_info().rss}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:
@@ -236,25 +263,25 @@ class OpenAIServer:
         except (ValueError, ValidationError) as exc:
             raise APIError(400, str(exc), "BadRequestError") from None
         rid = new_id("cmpl")
-        streams = [self._run(p, params, f"{rid}-{i}", body.priority) for i, p in enumerate(prompts)]
+        requests = await self._requests(prompts, params, rid, body.priority)
+        streams = [self._outputs(r) for r in requests]
         if not body.stream:
-            outs = await asyncio.gather(*(self._final(s) for s in streams))
+            outs = await _run_all([self._final(s) for s in streams])
             return JSONResponse(completion_response(rid, self.model_name, body.n, list(outs)).model_dump(exclude_unset=True))
-        first = await _first_or_error(streams)
         created = int(time.time())
 
         def chunk(index: int, out: RequestOutput) -> Any:
             return completion_chunk(rid, self.model_name, index, body.n, out, created)
 
-        events = self._events(rid, "text_completion", body, streams, first, chunk)
+        events = self._events(rid, "text_completion", body, streams, chunk)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, rid: str, kind: str, body: Any, streams: list, first: list, chunk: Any) -> AsyncIterator[str]:
+    async def _events(self, rid: str, kind: str, body: Any, streams: list, chunk: Any) -> AsyncIterator[str]:
         """Server-sent events: ``chunk(index, output)`` per output, the usage chunk when
         asked for, an error object if the request failed midway, then ``[DONE]``."""
         counts = _StreamUsage()
         try:
-            async for index, out in _merge(streams, first):
+            async for index, out in _merge(streams):
                 counts.add(out)
                 yield _sse(chunk(index, out))
             if body.stream_options and body.stream_options.include_usage:
@@ -269,19 +296,19 @@ class OpenAIServer:
         self._check(raw, body.model)
         try:
             params = body.sampling_params()
-            prompt = render_chat(
-                body.conversation(), self.llm.tokenizer, add_generation_prompt=body.add_generation_prompt,
+            prompt = await self.llm.render_chat(
+                body.conversation(), add_generation_prompt=body.add_generation_prompt,
                 chat_template=self.args.chat_template, chat_template_kwargs=body.chat_template_kwargs,
             )
         except (ValueError, ValidationError) as exc:
             raise APIError(400, str(exc), "BadRequestError") from None
         rid = new_id("chatcmpl")
         top = body.top_logprobs or 0
-        stream = self._run(prompt, params, rid, body.priority)
+        (request,) = await self._requests([prompt], params, rid, body.priority)
+        stream = self._outputs(request)
         if not body.stream:
-            out = await self._final(stream)
+            (out,) = await _run_all([self._final(stream)])
             return JSONResponse(chat_response(rid, self.model_name, out, top).model_dump(exclude_unset=True))
-        first = await _first_or_error([stream])
         created = int(time.time())
         started: set[int] = set()  # samples whose first chunk (with the role) went out
 
@@ -290,7 +317,7 @@ class OpenAIServer:
             started.update(c.index for c in out.outputs)
             return chat_chunk(rid, self.model_name, created, choices)
 
-        events = self._events(rid, "chat.completion.chunk", body, [stream], first, chunk)
+        events = self._events(rid, "chat.completion.chunk", body, [stream], chunk)
         return StreamingResponse(events, media_type="text/event-stream")
 
 

@@ -36,6 +36,46 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: The largest float32: a parameter beyond it becomes inf on the device (and inf
+#: arithmetic gives NaN), so every float parameter must stay within it.
+_FLOAT32_MAX = 3.4028234663852886e38
+#: OpenAI's and vLLM's range for a logit bias; larger values are clamped to it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _is_float32(value: Any) -> bool:
+    """A number that is finite as a float32 (the device's dtype for every parameter)."""
+    return _is_number(value) and math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+
+
+def text_problem(value: Any) -> str | None:
+    """Why ``value`` (a string, or lists/dicts holding strings) cannot be sent as text,
+    or None. Lone UTF-16 surrogates (``"\\ud800"``, which JSON can carry) are not
+    Unicode text: nothing can encode them, so they are refused where they enter."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return f"holds a lone surrogate {item[exc.start]!r} at character {exc.start}, which is not valid Unicode text"
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
+
+
+def check_text(field: str, value: Any) -> None:
+    """``ValueError`` naming ``field`` when ``value`` holds something that is not text."""
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(f"{field} {problem}")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling parameters of one request (vLLM field names and validation).
 
@@ -87,9 +127,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "an int >= 1", self.n)
-        if not _is_number(self.temperature) or not (
-            math.isfinite(self.temperature) and self.temperature >= 0
-        ):
+        if not _is_float32(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a finite number >= 0", self.temperature)
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", "in (0, 1]", self.top_p)
@@ -101,9 +139,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = getattr(self, name)
             if not _is_number(value) or not (-2.0 <= value <= 2.0):
                 raise bad(name, "in [-2, 2]", value)
-        if not _is_number(self.repetition_penalty) or not (
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
-        ):
+        if not _is_float32(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
         if self.seed is not None and (
             not _is_int(self.seed) or not (-(2**63) <= self.seed < 2**64)
@@ -133,6 +169,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     raise bad("logit_bias", "keyed by int token ids >= 0", key)
                 if not _is_number(value) or not math.isfinite(value):
                     raise bad("logit_bias", "finite bias values", value)
+            # OpenAI and vLLM clamp biases to [-100, 100]: a float32 logit plus a larger
+            # one can overflow to inf, and inf logits sample NaN.
+            if any(abs(v) > LOGIT_BIAS_LIMIT for v in self.logit_bias.values()):
+                self.logit_bias = {
+                    k: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()
+                }
         self._validate_token_list("stop_token_ids", self.stop_token_ids)
         self._validate_token_list("allowed_token_ids", self.allowed_token_ids)
         self._validate_token_list("eos_token_ids", self.eos_token_ids)
@@ -143,10 +185,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 isinstance(s, str) and s for s in self.stop
             ):
                 raise bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
-        if self.bad_words is not None and not all(
-            isinstance(w, str) and w.strip() for w in self.bad_words
-        ):
-            raise bad("bad_words", "a list of non-blank strings", self.bad_words)
+            check_text("stop", self.stop)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            ):
+                raise bad("bad_words", "a list of non-blank strings", self.bad_words)
+            check_text("bad_words", self.bad_words)
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise bad("extra_args", "a dict or None", self.extra_args)
+            check_text("extra_args", self.extra_args)
+            try:  # it crosses the wire to the workers as msgpack
+                msgspec.msgpack.encode(self.extra_args)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"extra_args must hold only JSON-like values: {exc}") from None
         if self.bad_words_token_ids is not None:
             for seq in self.bad_words_token_ids:
                 self._validate_token_list("bad_words_token_ids", seq)

@@ -21,7 +21,7 @@ import torch
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.ops.topk_topp import inverse_cdf_sample, scatter_candidates, truncate_top_k_top_p
-from sampler.sampler import Positions, Sampler, apply_processors, release_unsatisfiable_rows
+from sampler.sampler import Positions, Sampler, apply_processors, release_unusable_rows
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -60,7 +60,7 @@ class RejectionSampler:
         logits = self.sampler.apply_constraints(
             target_logits.to(torch.float32, copy=True), md, positions
         )
-        release_unsatisfiable_rows(logits)  # the worker fails those requests anyway
+        release_unusable_rows(logits)  # the worker fails those requests anyway
         greedy_rows = md.greedy_mask[rows] if num_drafts else torch.zeros(0, dtype=torch.bool)
 
         accepted = torch.zeros(num_drafts, dtype=torch.bool, device=device)

@@ -43,6 +43,10 @@ class SamplerOutput:
     #: tokens). They were sampled unconstrained so nothing crashes; finish them with an
     #: error.
     unsatisfiable_rows: list[int] = field(default_factory=list)
+    #: Rows whose logits held NaN or +inf (a broken model, or parameters that overflow
+    #: float32): sampled from a uniform row instead, so NaN never reaches sampling;
+    #: finish them with an error too.
+    nonfinite_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -129,11 +133,11 @@ class Sampler:
         #      thinking-budget forcing.
         logits = self.apply_constraints(logits, md, positions)
         # 8. greedy rows take the argmax of the constrained logits (the same pass finds
-        #    rows whose constraints left no token: see release_unsatisfiable_rows).
+        #    rows left with no usable logit: see release_unusable_rows).
         top, greedy = logits.max(dim=-1)
-        unsatisfiable = release_unsatisfiable_rows(logits, top)
-        if unsatisfiable:
-            greedy[unsatisfiable] = 0
+        unsatisfiable, nonfinite = release_unusable_rows(logits, top)
+        if unsatisfiable or nonfinite:
+            greedy[unsatisfiable + nonfinite] = 0
         if md.all_random:
             greedy = None
         if md.all_greedy:
@@ -161,6 +165,7 @@ class Sampler:
             sampled_token_ids=sampled,
             logprobs_tensors=logprobs_tensors,
             unsatisfiable_rows=unsatisfiable,
+            nonfinite_rows=nonfinite,
         )
 
     __call__ = forward
@@ -253,17 +258,22 @@ class Sampler:
         return sampled
 
 
-def release_unsatisfiable_rows(logits: torch.Tensor, row_max: torch.Tensor | None = None) -> list[int]:
-    """Rows with no finite logit left (their constraints ban everything) are reset to
-    a uniform row, so that the batch samples without NaNs; returns those rows.
-    ``row_max`` is ``logits.amax(-1)`` when the caller already has it."""
+def release_unusable_rows(
+    logits: torch.Tensor, row_max: torch.Tensor | None = None
+) -> tuple[list[int], list[int]]:
+    """Rows with no finite logit left (their constraints ban everything) and rows with
+    a NaN or +inf logit are reset to a uniform row, so that the batch samples without
+    NaNs; returns ``(unsatisfiable rows, non-finite rows)``. ``row_max`` is
+    ``logits.amax(-1)`` when the caller already has it (a NaN anywhere in a row makes
+    its max NaN, so the row maximum sees every bad row)."""
     if row_max is None:
         row_max = logits.amax(dim=-1)
-    dead = torch.isneginf(row_max).nonzero().squeeze(1)
-    if dead.numel() == 0:
-        return []
-    logits[dead] = 0.0
-    return dead.tolist()
+    bad = (~torch.isfinite(row_max)).nonzero().squeeze(1)
+    if bad.numel() == 0:
+        return [], []
+    logits[bad] = 0.0
+    dead = torch.isneginf(row_max[bad])
+    return bad[dead].tolist(), bad[~dead].tolist()
 
 
 def draw_uniforms(n: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:

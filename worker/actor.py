@@ -30,6 +30,17 @@ class Worker:
         self._steps = 0
         self._started = time.time()
 
+    def ready(self) -> dict[str, Any]:
+        """Answers as soon as the actor runs: where it landed and how many cores that
+        process may use (the driver sizes its threads from them before ``load``)."""
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return {"node_id": node_id, "cpus": _usable_cores(), "pid": os.getpid()}
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Torch's intra-op threads (the driver re-splits a node's cores when workers
+        arrive or leave)."""
+        torch.set_num_threads(max(1, int(num_threads)))
+
     def load(self, config: bytes | WorkerConfig) -> bytes:
         """Loads the model; ``config`` is a msgpack-encoded ``WorkerConfig``. Returns the
         msgpack-encoded ``WorkerInfo``."""
@@ -81,6 +92,14 @@ class Worker:
         """Forgets every request; the model stays loaded."""
         if self._runner is not None:
             self._runner.reset()
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _assigned_cpus() -> int | None:

@@ -38,6 +38,7 @@ from worker.protocol import (
 )
 
 UNSATISFIABLE = "no token is allowed: the request's constraints (allowed_token_ids, bad_words, logit_bias, ...) ban every token"
+NONFINITE = "the logits became NaN or infinite under this request's parameters (or the model produced them)"
 
 
 class ModelRunner:
@@ -256,7 +257,7 @@ class ModelRunner:
         out = self.sampler(bonus, md)
         failed = [
             RowError(r, batch.requests[r].request_id, UNSATISFIABLE) for r in out.unsatisfiable_rows
-        ]
+        ] + [RowError(r, batch.requests[r].request_id, NONFINITE) for r in out.nonfinite_rows]
         if not spec:
             tokens = out.sampled_token_ids.cpu()
             emitted = [[t] for t in (tokens if all_rows else tokens[torch.from_numpy(s_rows)]).tolist()]
