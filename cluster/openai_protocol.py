@@ -41,9 +41,10 @@ def find_bad_text(data: Any, path: str = "") -> str | None:
         return f"{path or 'body'} {problem}" if problem else None
     if isinstance(data, dict):
         for key, value in data.items():
-            where = f"{path}.{key}" if path else str(key)
+            shown = printable(str(key))
+            where = f"{path}.{shown}" if path else shown
             if isinstance(key, str) and text_problem(key):
-                return f"{where} (a key) {text_problem(key)}"
+                return f"{path or 'body'} has a key that {text_problem(key)}"
             found = find_bad_text(value, where)
             if found:
                 return found
@@ -53,6 +54,12 @@ def find_bad_text(data: Any, path: str = "") -> str | None:
             if found:
                 return found
     return None
+
+
+def printable(text: str) -> str:
+    """``text`` with anything that cannot be encoded (lone surrogates) escaped, so it
+    can be echoed back in an error message."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class TextOnlyModel(BaseModel):
@@ -295,4 +302,6 @@ def chat_delta_choice(c: CompletionOutput, top: int, first: bool) -> ChunkChoice
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """An OpenAI error object; the text is made encodable whatever input it quotes."""
+    return {"error": {"message": printable(message), "type": kind,
+                      "param": None if param is None else printable(param), "code": code}}

@@ -81,8 +81,8 @@ app = FastAPI(title="raydecode OpenAI-compatible API")
 async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc)),
-                  "BadRequestError", where or None)
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return _error(400, f"{where}: {message}" if where else message, "BadRequestError", where or None)
 
 
 @app.exception_handler(APIError)

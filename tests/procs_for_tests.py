@@ -152,3 +152,82 @@ class ExplodingProc(LogitsProcessor):
         if self.rows:
             raise RuntimeError(f"boom in rows {sorted(self.rows)}")
         return logits
+
+
+def _in_ray_worker() -> bool:
+    """True inside a Ray worker process (never the test process itself)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except Exception:
+        return False
+
+
+class FlaggedRowsProc(LogitsProcessor):
+    """Tracks the rows whose request has ``extra_args[FLAG]`` set through every
+    BatchUpdate (removed, then added at their pre-move indices, then moved in order; a
+    unidirectional move takes the row's state from a to b, a swap exchanges them) and
+    calls ``strike`` in ``apply`` while any such row is in the batch."""
+
+    FLAG = ""
+
+    def __init__(self, config, device, is_pin_memory):
+        self.rows: set[int] = set()
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update) -> None:
+        if not batch_update:
+            return
+        for row in batch_update.removed:
+            self.rows.discard(row)
+        for row, params, _, _ in batch_update.added:
+            self.rows.discard(row)
+            if (params.extra_args or {}).get(self.FLAG):
+                self.rows.add(row)
+        for a, b, direction in batch_update.moved:
+            had_a, had_b = a in self.rows, b in self.rows
+            self.rows.discard(a)
+            self.rows.discard(b)
+            if had_a:
+                self.rows.add(b)
+            if had_b and direction.name == "SWAP":
+                self.rows.add(a)
+        self.rows = {r for r in self.rows if r < batch_update.batch_size}
+
+    def apply(self, logits):
+        if self.rows:
+            if not _in_ray_worker():  # never take the test process down with it
+                raise RuntimeError(f"{type(self).__name__}: flagged rows {sorted(self.rows)} outside a Ray worker")
+            self.strike()
+        return logits
+
+    def strike(self) -> None:
+        raise NotImplementedError
+
+
+class PoisonProc(FlaggedRowsProc):
+    """SIGKILLs its own worker process whenever a row with extra_args {"poison": True}
+    is in a batch that samples (a request that crashes every worker it runs on)."""
+
+    FLAG = "poison"
+
+    def strike(self) -> None:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HangProc(FlaggedRowsProc):
+    """Sleeps for an hour whenever a row with extra_args {"hang": True} is in a batch
+    that samples (a request that hangs every worker it runs on)."""
+
+    FLAG = "hang"
+
+    def strike(self) -> None:
+        import time
+
+        time.sleep(3600)
