@@ -186,9 +186,13 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "api_key": args.api_key, "engine": engine,
         "chat_template": args.chat_template.read_text() if args.chat_template else None,
     })
-    # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
     session = RaySession.connect(args.address)
+    # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.
+    # Set after Ray starts: Ray's core installs its own SIGTERM handler, which aborts.
+    signal.signal(signal.SIGTERM, _interrupt)
+    from ray.serve.context import _get_global_client
+
+    started_serve = _get_global_client(raise_if_no_controller_running=False) is None
     try:  # Ctrl-C at any point (even while starting) shuts Serve down cleanly
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="raydecode", route_prefix="/")
@@ -200,9 +204,10 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
-            # On a cluster we joined, only our application goes; on our own Ray, all of
-            # Serve does, and the session then stops Ray and reaps what it started.
-            if session.owns:
+            # What we started goes, nothing else: Serve itself if it was not running
+            # before, else only our application; the session then stops Ray (and reaps
+            # every process it started) only if it started Ray.
+            if started_serve:
                 serve.shutdown()
             else:
                 serve.delete("raydecode")

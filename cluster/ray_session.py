@@ -1,7 +1,7 @@
 """RaySession: an engine's hold on Ray, and stopping exactly what it started.
 
-``connect`` joins the Ray this process already uses, or ``address``, or starts a local
-Ray when there is none. Only in that last case does the session own Ray: ``close`` then
+``connect`` joins the Ray this process already uses, or ``address``, or else starts a
+local Ray of its own (never some other cluster running on the machine). Only in that last case does the session own Ray: ``close`` then
 shuts it down and reaps every process it started. ``ray.shutdown()`` alone stops the
 GCS and the raylet but leaves the raylet's children (the dashboard agent, the runtime-env
 agent) running once their parent is gone, so the session records the process tree and
@@ -40,7 +40,9 @@ class RaySession:
                 owns = cls._owners > 0  # an engine of this process started it
             else:
                 kwargs = {"include_dashboard": False, "log_to_driver": False, **(init_kwargs or {})}
-                ray.init(address=address, **kwargs)
+                # No address means a Ray of our own: plain ray.init() would join the
+                # last cluster anyone started on this machine.
+                ray.init(address=address or "local", **kwargs)
                 node = getattr(ray._private.worker, "_global_node", None)
                 owns = bool(node is not None and node.all_processes)
                 if owns:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from cluster.cli import main
@@ -69,35 +70,97 @@ def test_generate_writes_jsonl(ray_local, tiny_model_path, tmp_path):
     assert all(r["outputs"][0]["finish_reason"] == "length" for r in rows)
 
 
-def test_serve_runs_until_interrupted(tiny_model_path):
+def _serve(tiny_model_path: str, *extra: str) -> tuple[subprocess.Popen, int]:
     from test_serve_openai import _free_port
 
     port = _free_port()
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_model_path, "--port", str(port),
-         "--max-model-len", "256", "--served-model-name", "tiny"],
+         "--max-model-len", "256", "--served-model-name", "tiny", *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "serve did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    proc.send_signal(sig)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "serve did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def _still_running(procs: list[psutil.Process], timeout: float = 30) -> list[str]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [" ".join(p.cmdline())[:100] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
+    """``raydecode serve`` on its own Ray: SIGTERM (or Ctrl-C) stops it, and with it
+    every process it started (GCS, raylet, Serve, workers, the dashboard and runtime-env
+    agents)."""
+    proc, port = _serve(tiny_model_path)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in started)
+    try:
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == "tiny"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc, sig)
     assert proc.returncode == 0
+    assert _still_running(started) == []
+
+
+def test_serve_on_a_joined_cluster_stops_only_its_own(ray_local, tiny_model_path):
+    """With ``--address`` the cluster's own processes live on; only the app goes."""
+    cluster_procs = [p for p in psutil.Process().children(recursive=True)
+                     if any(name in " ".join(p.cmdline()) for name in ("raylet", "gcs_server"))]
+    assert len(cluster_procs) == 2
+    address = ray_local.get_runtime_context().gcs_address
+    proc, port = _serve(tiny_model_path, "--address", address)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        _stop(proc, signal.SIGTERM)
+    assert proc.returncode == 0
+    assert all(p.is_running() for p in cluster_procs)
+    assert ray_local.cluster_resources().get("CPU") == 4  # the cluster still answers
+    from ray import serve
+    assert "raydecode" not in serve.status().applications
+
+
+def test_llm_shutdown_stops_the_ray_it_started(tiny_model_path):
+    """``LLM()`` in a process without Ray starts a local Ray; ``shutdown()`` stops all
+    of it (checked from a fresh process, since this one already runs Ray)."""
+    script = (
+        "import json, psutil, sys\n"
+        "from cluster import LLM\n"
+        f"llm = LLM({tiny_model_path!r}, max_model_len=128, max_num_seqs=2)\n"
+        "assert llm.engine.ray.owns\n"
+        "kids = psutil.Process().children(recursive=True)\n"
+        "out = llm.generate(['hi'], use_tqdm=False)\n"
+        "llm.shutdown()\n"
+        "gone, alive = psutil.wait_procs(kids, timeout=30)\n"
+        "print(json.dumps({'started': len(kids), 'alive': [' '.join(p.cmdline())[:80] for p in alive]}))\n"
+    )
+    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["started"] >= 4 and report["alive"] == []
