@@ -381,7 +381,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     greedy, mix = build_workload(corpus_tokens(tok), n, prompt_len, out_len, args.greedy_fraction, args.seed)
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     engine_kwargs: dict[str, Any] = {"max_model_len": prompt_len[1] + out_len[1]}
     if args.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--megabytes", type=int, default=20)
     args = ap.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": args.model, "served_model_name": "m",

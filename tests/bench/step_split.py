@@ -128,7 +128,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
     stream = corpus_tokens(tok)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     llm = LLM(model=None, num_workers=1, max_num_seqs=max(args.batches), max_model_len=256)
     split(llm, *workload(stream, 2, 4, 99))  # warm-up
 

@@ -66,7 +66,7 @@ def main() -> None:
     path = str(default_model_path())
     tok = AutoTokenizer.from_pretrained(path)
     stream = corpus_tokens(tok)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     llm = LLM(model=None, num_workers=1, max_num_seqs=max(64, *args.batches), max_model_len=256)
     budget = llm.engine.config.max_num_batched_tokens
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

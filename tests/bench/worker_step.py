@@ -116,7 +116,7 @@ def main() -> None:
     model.generation_config = copy.deepcopy(model.generation_config)
     model.generation_config.eos_token_id = None  # like ignore_eos: always N tokens
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor = create_worker(num_cpus=2)  # the whole machine: generate gets both cores too
     config = WorkerConfig(max_num_seqs=max(args.batches), max_model_len=512)
     info = decode_info(ray.get(actor.load.remote(msgspec.msgpack.encode(config))))
