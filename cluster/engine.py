@@ -45,6 +45,9 @@ from worker.protocol import Codec, StepTimings
 
 logger = logging.getLogger("raydecode")
 
+#: Seconds between liveness probes of a worker with no step in flight.
+IDLE_PROBE_S = 5.0
+
 
 @dataclass
 class StepStats:
@@ -151,10 +154,26 @@ class LLMEngine:
         self.pool.activated(slot)
 
     def _maintain_workers(self) -> None:
-        """Makes freshly loaded workers live and keeps replacements coming."""
+        """Makes freshly loaded workers live, keeps replacements coming, and probes idle
+        workers so that one that died while idle is replaced before anyone needs it."""
         for slot in self.pool.poll():
             self._activate(slot)
             logger.warning("worker %d is serving", slot.index)
+        now = time.monotonic()
+        for slot in [w for w in self.workers if w.live]:
+            if slot.probe_ref is None:
+                if slot.inflight is None and now - slot.probed_at > IDLE_PROBE_S:
+                    slot.probe_ref, slot.probed_at = slot.actor.health.remote(), now
+                continue
+            ready, _ = ray.wait([slot.probe_ref], timeout=0)
+            if not ready and now - slot.probed_at < self.config.ray_call_timeout_s:
+                continue
+            ref, slot.probe_ref = slot.probe_ref, None
+            try:
+                ray.get(ref, timeout=0 if not ready else self.config.ray_call_timeout_s)
+            except RayError as exc:
+                if slot.inflight is None:  # else the step in flight reports it
+                    self._step_failed(slot, None, f"worker {slot.index} was lost while idle ({type(exc).__name__})", lost=True)
 
     # -- requests -----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
     changed: dict[int, Request] = {}
     failed = {f.row: f.message for f in reply.failed}
     num_sampled = reply.num_sampled.numpy()
+    num_drafts = reply.num_draft_tokens.numpy()
     tokens = reply.sampled_token_ids.numpy()
     width = reply.logprobs_width
     # One conversion per reply; each row then takes plain list slices.
@@ -46,6 +47,8 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
         seq.num_computed_tokens += step.num_tokens[row]
         if m == 0:
             continue
+        # A sampling row draws one uniform, and two per draft it verified.
+        seq.generator_draws += 1 + 2 * (int(num_drafts[row]) if row < len(num_drafts) else 0)
         sl = slice(start, start + m)
         seq.append(
             tokens[sl],

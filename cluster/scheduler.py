@@ -207,6 +207,7 @@ class WorkerScheduler:
                 AddedRequest(
                     row=row, request_id=rows[row].seq_id, params=params,
                     prompt_token_ids=Int32Array.of(prompt), output_token_ids=Int32Array.of(output),
+                    num_generator_draws=rows[row].generator_draws if output else None,
                 )
                 for row, params, prompt, output in (update.added if update else [])
             ],

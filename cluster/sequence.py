@@ -55,6 +55,8 @@ class Sequence:
         #: prompt-logprob positions the current placement has sent (a resumed sequence
         #: recomputes its prompt; positions already recorded are skipped)
         self.prompt_logprobs_seen = 0
+        #: uniforms its seeded generator has drawn on workers (a re-add resumes there)
+        self.generator_draws = 0
         #: output length when a step it was in failed: until it has more output than
         #: that, it runs alone (see ``suspect``); -1: never failed
         self.suspect_until = -1

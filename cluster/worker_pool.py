@@ -61,6 +61,8 @@ class WorkerSlot:
     step: Any = None  # the ScheduledStep in flight
     sent_at: float = 0.0  # perf_counter time the running step was handed to Ray
     sent_monotonic: float = 0.0  # monotonic time, for the step timeout
+    probe_ref: Any = None  # a liveness call on an idle worker
+    probed_at: float = 0.0
 
     @property
     def live(self) -> bool:

@@ -183,14 +183,14 @@ class SamplingMetadata:
         )
 
 
-def seeded_generator(seed: int, device: torch.device, num_sampled: int = 0) -> torch.Generator:
-    """A seeded row's generator, advanced past the ``num_sampled`` tokens the request
-    already has, drawing exactly what ``sampler.sampler.draw_uniforms`` draws per token
-    (one uniform): a request re-added with its output so far (preempted, or moved off a
-    dead worker) continues its random stream unchanged. Exact without speculative
-    decoding, whose verification draws more per token."""
+def seeded_generator(seed: int, device: torch.device, num_draws: int = 0) -> torch.Generator:
+    """A seeded row's generator, advanced past the ``num_draws`` uniforms the request
+    has already drawn, one at a time as ``sampler.sampler.draw_uniforms`` and the
+    rejection sampler draw them (one per sampled token; two more per verified draft), so
+    a request re-added with its output so far (preempted, or moved off a dead worker)
+    continues its random stream unchanged."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed % 2**64)
-    for _ in range(num_sampled):
+    for _ in range(num_draws):
         torch.rand(1, generator=gen, device=device)
     return gen

@@ -234,7 +234,8 @@ class InputBatch:
             raise ProtocolError(f"{where}: {exc}") from None
         gen = None
         if a.params.sampling_type == SamplingType.RANDOM_SEED:
-            gen = seeded_generator(a.params.seed, self.device, len(output))
+            draws = a.num_generator_draws if a.num_generator_draws is not None else len(output)
+            gen = seeded_generator(a.params.seed, self.device, draws)
         return CachedRequest(a.request_id, a.params, prompt.tolist(), output.tolist(), gen)
 
     def _clear_row(self, row: int) -> None:

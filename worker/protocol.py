@@ -127,6 +127,9 @@ class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
     params: SamplingParams
     prompt_token_ids: Int32Array
     output_token_ids: Int32Array = EMPTY_I32
+    #: uniforms a seeded request has drawn so far (one per sampled token, two more per
+    #: verified draft); None: one per output token (exact without drafts)
+    num_generator_draws: NonNegative | None = None
 
 
 class MovedRows(msgspec.Struct, array_like=True, frozen=True):
