@@ -27,7 +27,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m cluster.cli bench
+	$(PY) -m deploy.cli bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

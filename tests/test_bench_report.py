@@ -54,7 +54,7 @@ def test_bench_command_runs_scripts_and_writes_the_table(tmp_path):
     """``raydecode bench NAME --out DIR`` with a real (fast) script: logprobs_merge."""
     out = tmp_path / "res"
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "logprobs_merge", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "deploy.cli", "bench", "logprobs_merge", "--quick", "--out", str(out)],
         capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

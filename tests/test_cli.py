@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from cluster.cli import main
+from deploy.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def _serve(tiny_model_path: str, *extra: str) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_model_path, "--port", str(port),
+        [sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_model_path, "--port", str(port),
          "--max-model-len", "256", "--served-model-name", "tiny", *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -10,7 +10,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.serve_app import ServerArgs, build_app
+from deploy.serve import ServerArgs, build_app
 from cluster.config import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -61,7 +61,7 @@ def test_serve_config_builds_our_app():
     config = load("serve.yaml")
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
-    assert app["import_path"] == "cluster.serve_app:build_app"
+    assert app["import_path"] == "deploy.serve:build_app"
     args = ServerArgs.model_validate(app["args"])
     EngineConfig(model=args.model, num_workers=args.num_workers, **args.engine)  # engine keys are real fields
     build_app(app["args"])  # the builder accepts them (nothing starts until serve.run)

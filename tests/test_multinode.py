@@ -104,7 +104,7 @@ def test_serve_places_the_worker_on_the_node_with_the_resource(resource_cluster,
     import httpx
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from deploy.serve import build_app
     from test_serve_openai import _free_port
 
     cluster, node = resource_cluster

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from ray import serve
 
-from cluster.serve_app import build_app
+from deploy.serve import build_app
 
 # A template that refuses conversations that do not start with a user turn, the way
 # many real templates do (raise_exception is provided by transformers).

@@ -13,7 +13,7 @@ import openai
 import pytest
 from ray import serve
 
-from cluster.serve_app import build_app
+from deploy.serve import build_app
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 KEY = "sk-test"

@@ -31,7 +31,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from _results import Row, emit  # noqa: E402
-from cluster.serve_app import build_app  # noqa: E402
+from deploy.serve import build_app  # noqa: E402
 
 TARGET_S = 1.0  # neither the stream nor /health may stall this long
 

@@ -8,7 +8,7 @@ Serve itself answers 503 with ``Retry-After`` (its backpressure), so queues stay
 A client that disconnects cancels its handler, which aborts the request in the engine.
 
 Build it with ``build_app({...})`` (``serve.run(build_app({"model": ...}))``) or from a
-Serve config (``deploy/serve.yaml``: ``import_path: cluster.serve_app:build_app``); the
+Serve config (``deploy/serve.yaml``: ``import_path: deploy.serve:build_app``); the
 arguments are ``ServerArgs``. Logits processors are named only here, in ``engine``.
 """
 
@@ -31,7 +31,7 @@ from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
-from cluster.openai_protocol import (
+from deploy.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_chunk,
@@ -325,7 +325,7 @@ class OpenAIServer:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application (``serve.run(build_app({...}))``, or ``import_path:
-    cluster.serve_app:build_app`` in a Serve config)."""
+    deploy.serve:build_app`` in a Serve config)."""
     parsed = ServerArgs.model_validate(args or {})
     return OpenAIServer.options(
         num_replicas=parsed.num_replicas,

@@ -174,7 +174,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.ray_session import RaySession
-    from cluster.serve_app import build_app
+    from deploy.serve import build_app
 
     if args.address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -1,0 +1,1 @@
+"""The OpenAI (and vLLM-extension) HTTP protocol: request models and response builders."""
