@@ -22,13 +22,24 @@ class EngineConfig:
     #: the longest prefill chunk one request may take in a step; None: the step budget
     long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None
-    #: per-worker KV budget in tokens, counted in blocks of ``kv_block_size``. Rows own
-    #: full-length slots on the worker, so this is a policy limit: it bounds what the
-    #: running requests may hold (on CPU, the memory actually touched). None: rows x
-    #: max_model_len (nothing is ever preempted for KV).
+    #: each worker's KV pool in tokens (a whole number of ``kv_block_size`` blocks);
+    #: overrides the memory-based size. None: what the memory budget below holds, at
+    #: most enough for every row at max_model_len
     kv_cache_tokens: int | None = None
+    #: tokens per KV block (the unit of allocation and of prefix caching)
     kv_block_size: int = 16
+    #: each worker's KV budget in bytes; None: on CUDA from gpu_memory_utilization, on
+    #: CPU cpu_kv_cache_fraction of the node's RAM split among this engine's workers there
     kv_cache_memory_bytes: int | None = None
+    #: CUDA: the share of each GPU's memory a worker may use (model, activations, KV), as in vLLM
+    gpu_memory_utilization: float = 0.9
+    #: CPU: the share of a node's RAM this engine's workers on it give their KV pools
+    cpu_kv_cache_fraction: float = 0.25
+    #: reuse the KV of prompt prefixes computed before (automatic prefix caching)
+    enable_prefix_caching: bool = True
+    #: data parallel: a request goes to the worker holding the longest cached prefix of
+    #: it, unless that worker holds at least this many more sequences than the one asking
+    prefix_routing_max_imbalance: int = 8
     #: swap rows so decodes precede prefill chunks in every step (vLLM's batch order
     #: for attention backends that want it; results are the same either way)
     decodes_first: bool = False
@@ -99,6 +110,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if not isinstance(self.prefix_routing_max_imbalance, int) or self.prefix_routing_max_imbalance < 0:
+            raise ValueError(f"prefix_routing_max_imbalance must be an int >= 0, got {self.prefix_routing_max_imbalance!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not isinstance(self.num_spec_tokens, int) or self.num_spec_tokens < 0:
@@ -114,7 +131,9 @@ class EngineConfig:
         return WorkerConfig(
             model=self.model, device=self.device, dtype=self.dtype,
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            kv_block_size=self.kv_block_size, kv_cache_tokens=self.kv_cache_tokens,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             num_spec_tokens=self.num_spec_tokens, max_logprobs=self.max_logprobs,
             logits_processors=list(self.logits_processors),
             reasoning_start=self.reasoning_start, reasoning_end=self.reasoning_end,

@@ -140,16 +140,16 @@ class LLMEngine:
 
     def _activate(self, slot: WorkerSlot) -> None:
         c, info = self.config, slot.info
-        rows = min(c.max_num_seqs, info.max_num_seqs)
-        kv_tokens = c.kv_cache_tokens or rows * info.max_model_len
         slot.scheduler = WorkerScheduler(
-            max_rows=rows,
+            max_rows=min(c.max_num_seqs, info.max_num_seqs),
             max_num_batched_tokens=c.max_num_batched_tokens,
-            kv_blocks=max(1, kv_tokens // c.kv_block_size),
-            kv_block_size=c.kv_block_size,
+            kv_blocks=info.num_kv_blocks,
+            kv_block_size=info.kv_block_size,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
             num_spec_tokens=c.num_spec_tokens,
             decodes_first=c.decodes_first,
+            enable_prefix_caching=c.enable_prefix_caching,
+            cache_salt=info.model_name,
         )
         self.pool.activated(slot)
 
@@ -342,7 +342,7 @@ class LLMEngine:
             if slot.inflight is not None:
                 continue
             t0 = time.perf_counter()
-            step, preempted = slot.scheduler.schedule(self.waiting, share)
+            step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here)
             t1 = time.perf_counter()
             self.stats.schedule += t1 - t0
             for seq in preempted:
@@ -365,6 +365,39 @@ class LLMEngine:
             slot.sent_monotonic = time.monotonic()
             self.stats.encode += slot.sent_at - t1
 
+    def _routes_here(self, seq: Sequence, scheduler: WorkerScheduler) -> bool:
+        """Prefix-aware routing: whether ``scheduler``'s worker should take ``seq`` now.
+        It goes to the worker holding the longest cached prefix of it, unless that
+        worker holds at least ``prefix_routing_max_imbalance`` more sequences than
+        this one (then the least loaded takes it, recomputing)."""
+        live = [w.scheduler for w in self.workers if w.live]
+        if len(live) < 2 or not self.config.enable_prefix_caching:
+            return True
+        keys = scheduler.reusable_prefix(seq)
+        if not keys:
+            return True
+        hits = [s.blocks.cached_prefix(keys) for s in live]
+        best = max(hits)
+        if hits[live.index(scheduler)] == best:
+            return True
+        holder = min((s for s, h in zip(live, hits) if h == best), key=lambda s: s.num_running)
+        return holder.num_running - scheduler.num_running >= self.config.prefix_routing_max_imbalance
+
+    def prefix_cache_stats(self) -> list[dict[str, Any]]:
+        """Per live worker: prompt tokens looked up in its prefix cache, the hits, and
+        the hit rate (in tokens, vLLM's prefix_cache_queries / hits)."""
+        return [
+            {"worker": w.index, "queries": w.scheduler.blocks.num_queried_tokens,
+             "hits": w.scheduler.blocks.num_hit_tokens, "hit_rate": w.scheduler.blocks.hit_rate}
+            for w in self.workers if w.live
+        ]
+
+    def kv_cache_usage(self) -> float:
+        """The share of the live workers' KV blocks held by sequences (0..1)."""
+        live = [w.scheduler.blocks for w in self.workers if w.live]
+        total = sum(b.num_blocks for b in live)
+        return sum(b.num_blocks - b.num_free for b in live) / total if total else 0.0
+
     def _receive(self, slot: WorkerSlot, ready_at: float) -> None:
         ref, step = slot.inflight, slot.step
         slot.inflight, slot.step = None, None
@@ -384,6 +417,7 @@ class LLMEngine:
             t1 = time.perf_counter()
             self.stats.add_worker_step(ready_at - slot.sent_at, reply.timings)
             changed = apply_reply(step, reply)
+            slot.scheduler.register_computed(step.rows)  # before finished ones are freed
         except Exception as exc:  # a reply the driver cannot use: a bug on either side
             logger.exception("the reply of step %d from worker %d could not be merged", step.message.step_id, slot.index)
             self._step_failed(slot, step, f"the reply of step {step.message.step_id} could not be merged: {exc!r}", lost=False)

@@ -113,6 +113,7 @@ class Request:
             finished=finished,
             metrics=self.metrics,
             error=self.error,
+            num_cached_tokens=max(s.num_cached_tokens or 0 for s in self.sequences),
         )
 
     @staticmethod

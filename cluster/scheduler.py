@@ -3,8 +3,8 @@ rows, with how many tokens.
 
 Sequences wait in one ``WaitingQueue`` shared by all workers (lowest priority value,
 then earliest arrival, first). Each worker has a ``WorkerScheduler`` that owns its rows
-and its KV budget and records every row change with ``BatchUpdateBuilder`` the way the
-seeds describe: finished, aborted or preempted rows are registered as removed; new
+and its KV memory (a ``BlockManager``: blocks, reference counts, the prefix cache) and
+records every row change with ``BatchUpdateBuilder`` the way the seeds describe: finished, aborted or preempted rows are registered as removed; new
 sequences take the lowest freed row (``pop_removed``) or grow the batch; remaining holes
 are condensed by moving the highest occupied row into the lowest hole (unidirectional
 moves); optionally (``decodes_first``) rows are then swapped so that decodes precede
@@ -12,23 +12,34 @@ prefill chunks. The resulting ``BatchUpdate`` becomes the step message.
 
 Per step: running sequences first, in (priority, arrival) order, each taking its
 uncomputed tokens up to the step's token budget (long prefills in chunks), then waiting
-sequences while rows, budget, KV blocks and the worker's fair share allow (a *suspect*,
-a sequence that was in a failed step, is placed only on an empty worker and keeps it to
-itself until it gets past the point of failure). When a running sequence needs KV
-blocks that are not free, the newest running sequence (the highest (priority, arrival))
-is preempted: its row and blocks are freed and it goes back to the waiting queue with
-its tokens so far, to be added again later with its output tokens.
+sequences while rows, budget, KV blocks and the worker's fair share allow. A placed
+sequence first takes the longest cached run of its full blocks (skipping their prefill:
+``AddedRequest.num_computed_tokens``), then fresh blocks for its first chunk; the step
+message carries, per row, the blocks it gained. Sample i > 0 of a request waits until
+sample 0 has computed the prompt, then shares it from the cache. A *suspect* (a sequence
+that was in a failed step) is placed only on an empty worker and keeps it to itself until
+it gets past the point of failure. When a running sequence needs KV blocks that are not
+free, the newest running sequence (the highest (priority, arrival)) is preempted: its
+row and blocks are freed and it goes back to the waiting queue with its tokens so far,
+to be added again later with its output tokens (and whatever of it is still cached).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.block_manager import BlockManager
 from cluster.sequence import Sequence
 from sampler.logits_processor import BatchUpdateBuilder, MoveDirectionality
 from worker.protocol import PROTOCOL_VERSION, AddedRequest, Int32Array, MovedRows, StepRequest
+
+
+#: Waiting sequences one admission pass may leave to other workers (or to later) before
+#: it stops looking further down the queue.
+MAX_PASSED_OVER = 32
 
 
 class WaitingQueue:
@@ -83,12 +94,13 @@ class WorkerScheduler:
         long_prefill_token_threshold: int | None = None,
         num_spec_tokens: int = 0,
         decodes_first: bool = False,
+        enable_prefix_caching: bool = True,
+        cache_salt: object = None,
     ) -> None:
         self.max_rows = max_rows
         self.token_budget = max_num_batched_tokens
         self.chunk_limit = long_prefill_token_threshold or max_num_batched_tokens
-        self.kv_blocks = kv_blocks
-        self.free_blocks = kv_blocks
+        self.blocks = BlockManager(kv_blocks, kv_block_size, enable_prefix_caching, cache_salt)
         self.block_size = kv_block_size
         self.num_spec_tokens = num_spec_tokens
         self.decodes_first = decodes_first
@@ -97,6 +109,16 @@ class WorkerScheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_swaps = 0
+        #: blocks each sequence gained in the step being built (id(seq) -> block ids)
+        self._new_blocks: dict[int, list[int]] = {}
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
 
     @property
     def running(self) -> list[Sequence]:
@@ -112,43 +134,72 @@ class WorkerScheduler:
     # -- leaving ------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
-        """Takes ``seq`` out of its row (finished or aborted) and frees its KV blocks; the
-        removal travels with the next step."""
+        """Takes ``seq`` out of its row (finished or aborted) and releases its KV blocks
+        (their computed content stays cached until reused); the removal travels with
+        the next step."""
         row = seq.row
         if row is None or row >= len(self.rows) or self.rows[row] is not seq:
             raise ValueError(f"sequence {seq.seq_id} holds no row here")
         self.rows[row] = None
         self.builder.removed_append(row)
-        self.free_blocks += seq.num_kv_blocks
-        seq.num_kv_blocks = 0
+        self.blocks.release(seq.block_ids)
+        seq.block_ids, seq.num_registered_blocks = [], 0
         seq.row = None
 
     def preempt(self, seq: Sequence) -> None:
-        """Frees ``seq`` and forgets its computed tokens; the caller re-queues it."""
+        """Frees ``seq`` and forgets its computed tokens; the caller re-queues it (it
+        recomputes later, taking whatever of its prefix is still cached)."""
         self.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def release_all(self) -> list[Sequence]:
-        """Every sequence this worker held (it died); the rows and budget start afresh."""
+        """Every sequence this worker held (it died, or was reset): rows and blocks
+        start afresh, and nothing cached in its KV is trusted any more."""
         seqs = self.running
         for seq in seqs:
-            seq.row, seq.num_kv_blocks, seq.num_computed_tokens = None, 0, 0
+            seq.row, seq.num_computed_tokens = None, 0
+            seq.block_ids, seq.num_registered_blocks = [], 0
         self.rows = []
         self.builder = BatchUpdateBuilder()
-        self.free_blocks = self.kv_blocks
+        self.blocks.reset()
         return seqs
+
+    # -- after a step -------------------------------------------------------------------
+
+    def register_computed(self, seqs: list[Sequence]) -> None:
+        """After a step's reply: blocks that are now full of computed tokens become
+        findable by later sequences (prefix caching). Called before finished sequences
+        are freed, so their blocks stay cached."""
+        blocks = self.blocks
+        if not blocks.enable_prefix_caching:
+            return
+        for seq in seqs:
+            full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+            done = seq.num_registered_blocks
+            if full > done:
+                keys = seq.full_block_keys(blocks, full)
+                blocks.register(seq.block_ids[done:full], keys[done:full])
+                seq.num_registered_blocks = full
 
     # -- one step -----------------------------------------------------------------------
 
-    def schedule(self, waiting: WaitingQueue, share: int) -> tuple[ScheduledStep | None, list[Sequence]]:
+    def schedule(
+        self,
+        waiting: WaitingQueue,
+        share: int,
+        admit: Callable[[Sequence, "WorkerScheduler"], bool] | None = None,
+    ) -> tuple[ScheduledStep | None, list[Sequence]]:
         """The next step (None when there is nothing to send) and the sequences preempted
         while building it (already pushed back onto ``waiting``). ``share`` caps how many
-        sequences this worker may hold, so data-parallel workers split the load."""
+        sequences this worker may hold, so data-parallel workers split the load;
+        ``admit(seq, self)`` may leave a waiting sequence to another worker (prefix
+        routing)."""
         budget = self.token_budget
         planned: dict[int, int] = {}  # id(seq) -> tokens
         preempted: list[Sequence] = []
+        self._new_blocks = {}
 
         running = sorted(self.running, key=lambda s: s.sort_key)
         while running and budget > 0:
@@ -157,15 +208,15 @@ class WorkerScheduler:
             if n <= 0:
                 continue
             need = self._blocks_needed(seq, n)
-            while need > self.free_blocks and running:
+            while not self.blocks.can_allocate(need) and running:
                 victim = running.pop()  # the newest running sequence
                 self.preempt(victim)
                 preempted.append(victim)
-            if need > self.free_blocks:  # nothing left to take from: it waits itself
+            if not self.blocks.can_allocate(need):  # nothing left to take from: it waits itself
                 self.preempt(seq)
                 preempted.append(seq)
                 break
-            self._allocate(seq, need)
+            self._grow(seq, need)
             planned[id(seq)] = n
             budget -= n
         for seq in preempted:
@@ -174,21 +225,26 @@ class WorkerScheduler:
         num_held = self.num_running
         # A suspect (it was in a failed step) runs alone until it gets past that point.
         alone = any(s is not None and s.suspect for s in self.rows)
-        while waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted and not alone:
+        passed_over: list[Sequence] = []
+        while (waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted
+               and not alone and len(passed_over) < MAX_PASSED_OVER):
             seq = waiting.peek()
             if seq.suspect and num_held:
                 break  # it waits for this worker (or another) to drain
-            n = min(seq.num_tokens, budget, self.chunk_limit)
-            need = self._blocks_needed(seq, n)
-            if need > self.free_blocks:
-                break
+            if self._waits_for_its_first_sample(seq) or (admit is not None and not admit(seq, self)):
+                passed_over.append(waiting.pop())
+                continue
+            n = self._admit(seq, budget)
+            if n == 0:
+                break  # no room for it now
             waiting.pop()
-            self._allocate(seq, need)
             self._place(seq)
             planned[id(seq)] = n
             budget -= n
             num_held += 1
             alone = seq.suspect
+        for seq in passed_over:
+            waiting.push(seq)
 
         self._condense()
         if self.decodes_first:
@@ -198,6 +254,7 @@ class WorkerScheduler:
             return None, preempted
         rows: list[Sequence] = list(self.rows)  # no holes after condensing
         num_tokens = [planned.get(id(seq), 0) for seq in rows]
+        new_blocks = [self._new_blocks.get(id(seq), ()) for seq in rows]
         message = StepRequest(
             version=PROTOCOL_VERSION,
             step_id=self.step_id,
@@ -208,24 +265,74 @@ class WorkerScheduler:
                     row=row, request_id=rows[row].seq_id, params=params,
                     prompt_token_ids=Int32Array.of(prompt), output_token_ids=Int32Array.of(output),
                     num_generator_draws=rows[row].generator_draws if output else None,
+                    num_computed_tokens=rows[row].num_computed_tokens,
                 )
                 for row, params, prompt, output in (update.added if update else [])
             ],
             moved=[MovedRows(a, b, swap=d is MoveDirectionality.SWAP) for a, b, d in (update.moved if update else [])],
             num_scheduled_tokens=Int32Array.of(num_tokens),
+            num_new_blocks=Int32Array.of([len(b) for b in new_blocks]),
+            new_block_ids=Int32Array.of([b for blocks in new_blocks for b in blocks]),
         )
         self.step_id += 1
         return ScheduledStep(message, rows, num_tokens), preempted
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        """Blocks ``seq`` must hold to run ``n`` more tokens (drafts included when the
+        """Blocks ``seq`` must gain to run ``n`` more tokens (drafts included when the
         step finishes its known tokens and may propose some)."""
         drafts = self.num_spec_tokens if n == seq.num_uncomputed_tokens else 0
-        return max(0, self.blocks_for(seq.num_computed_tokens + n + drafts) - seq.num_kv_blocks)
+        return max(0, self.blocks_for(seq.num_computed_tokens + n + drafts) - len(seq.block_ids))
 
-    def _allocate(self, seq: Sequence, blocks: int) -> None:
-        self.free_blocks -= blocks
-        seq.num_kv_blocks += blocks
+    def _grow(self, seq: Sequence, num_blocks: int) -> None:
+        if num_blocks:
+            new = self.blocks.allocate(num_blocks)
+            seq.block_ids.extend(new)
+            self._new_blocks.setdefault(id(seq), []).extend(new)
+
+    def reusable_prefix(self, seq: Sequence) -> list[tuple]:
+        """Content keys of the blocks ``seq`` may take from the prefix cache: its full
+        blocks before its last known token (that one is always computed, to sample
+        from), none while it still needs prompt logprobs it has not recorded."""
+        if not self.blocks.enable_prefix_caching:
+            return []
+        request = seq.request
+        if seq.params.prompt_logprobs is not None and request is not None and request.prompt_logprobs is not None \
+                and len(request.prompt_logprobs) < len(seq.prompt_token_ids):
+            return []
+        return seq.full_block_keys(self.blocks, (seq.num_tokens - 1) // self.block_size)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Gives a waiting ``seq`` its cached prefix and fresh blocks for its first
+        chunk; returns the chunk's tokens (0: no room, nothing taken)."""
+        blocks = self.blocks
+        keys = self.reusable_prefix(seq)
+        hit = blocks.cached_prefix(keys)
+        computed = hit * self.block_size
+        n = min(seq.num_tokens - computed, budget, self.chunk_limit)
+        drafts = self.num_spec_tokens if n == seq.num_tokens - computed else 0
+        need = max(0, self.blocks_for(computed + n + drafts) - hit)
+        # Cached blocks nobody holds sit on the free list: taking them uses it up too.
+        idle_hits = sum(blocks.ref_count[blocks.cached[k]] == 0 for k in keys[:hit])
+        if not blocks.can_allocate(need + idle_hits):
+            return 0
+        seq.block_ids = blocks.take_cached(keys[:hit]) + blocks.allocate(need)
+        seq.num_registered_blocks = hit
+        seq.num_computed_tokens = computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(computed, len(seq.prompt_token_ids))
+            blocks.note_query(len(seq.prompt_token_ids), seq.num_cached_tokens)
+        self._new_blocks[id(seq)] = list(seq.block_ids)
+        return n
+
+    def _waits_for_its_first_sample(self, seq: Sequence) -> bool:
+        """Sample i > 0 of a request waits until sample 0 has computed the prompt's
+        full blocks, then takes them from the prefix cache (the prompt is computed
+        once for all ``n``)."""
+        if seq.index == 0 or not self.blocks.enable_prefix_caching or seq.request is None:
+            return False
+        first = seq.request.sequences[0]
+        shared = (len(seq.prompt_token_ids) - 1) // self.block_size * self.block_size
+        return not first.finished and first.num_computed_tokens < shared
 
     def _place(self, seq: Sequence) -> None:
         row = self.builder.pop_removed()  # the lowest freed row first

@@ -49,7 +49,14 @@ class Sequence:
         self.priority = 0
         self.order = 0  # arrival counter: FCFS order, ties in priority
         self.num_computed_tokens = 0
-        self.num_kv_blocks = 0
+        #: the KV blocks it holds on its worker, in order (its block table)
+        self.block_ids: list[int] = []
+        #: leading blocks of ``block_ids`` whose content is registered for reuse
+        self.num_registered_blocks = 0
+        #: content keys of its full blocks so far (tokens only grow, so they stay valid)
+        self.block_keys: list[tuple] = []
+        #: prompt tokens its first placement found in the prefix cache
+        self.num_cached_tokens: int | None = None
         self.row: int | None = None
         self.num_preemptions = 0
         #: prompt-logprob positions the current placement has sent (a resumed sequence
@@ -72,6 +79,29 @@ class Sequence:
         """Lower runs first and is preempted last (vLLM: priority, then arrival; then
         the sample index among a request's ``n``)."""
         return (self.priority, self.order, self.index)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Its tokens (prompt, then output) at positions ``start .. end - 1``."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def full_block_keys(self, blocks: Any, num_blocks: int) -> list[tuple]:
+        """Content keys of its first ``num_blocks`` full blocks (``blocks`` is a
+        ``BlockManager``); computed once each, as the tokens arrive."""
+        keys = self.block_keys
+        if len(keys) < num_blocks:
+            bs = blocks.block_size
+            parent = keys[-1] if keys else None
+            keys.extend(blocks.chain(parent, self.tokens_between(len(keys) * bs, num_blocks * bs)))
+        return keys[:num_blocks]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -51,6 +51,7 @@ class WorkerSlot:
     load_ref: Any = None  # while the model loads
     node_id: str | None = None
     node_cpus: int = 1
+    node_memory: int = 0
     pid: int | None = None  # the actor's process, once placed
     num_threads: int | None = None
     placement_reported: bool = False
@@ -129,6 +130,23 @@ class WorkerPool:
         deadline = time.monotonic() + c.worker_start_timeout_s
         loaded: list[WorkerSlot] = []
         try:
+            # Every worker is placed before any loads: each then knows how many of this
+            # engine's workers share its node (threads, KV memory).
+            while True:
+                ready, pending = ray.wait([s.ready_ref for s in self.slots], num_returns=len(self.slots), timeout=1.0)
+                now = time.monotonic()
+                if not pending:
+                    break
+                if now > deadline:
+                    raise RuntimeError(self._placement_message(next(s for s in self.slots if s.ready_ref in pending), now))
+                for slot in self.slots:
+                    if slot.ready_ref in pending and not slot.placement_reported and now - slot.created_at > c.placement_report_s:
+                        slot.placement_reported = True
+                        logger.warning(self._placement_message(slot, now))
+            for slot in self.slots:  # where every one landed, then the loads
+                self._note_placement(slot, self._where(slot))
+            for slot in self.slots:
+                self._load(slot)
             while len(loaded) < c.num_workers:
                 now = time.monotonic()
                 if now > deadline:
@@ -188,15 +206,8 @@ class WorkerPool:
             ready, _ = ray.wait([slot.ready_ref], timeout=0)
             if not ready:
                 return
-            try:
-                where = ray.get(slot.ready_ref, timeout=self.config.ray_call_timeout_s)
-            except (RayError, GetTimeoutError) as exc:
-                raise _StartFailed(f"died before it started ({type(exc).__name__})") from None
-            slot.node_id, slot.node_cpus, slot.pid = where["node_id"], max(1, int(where["cpus"])), where.get("pid")
-            slot.num_threads = self._threads_for(slot)
-            config = msgspec.structs.replace(self._worker_config, num_threads=slot.num_threads)
-            slot.load_ref = slot.actor.load.remote(msgspec.msgpack.encode(config))
-            self._rebalance_threads(slot.node_id, exclude=slot)
+            self._note_placement(slot, self._where(slot))
+            self._load(slot)
         if slot.load_ref is None:
             return
         ready, _ = ray.wait([slot.load_ref], timeout=0)
@@ -214,11 +225,45 @@ class WorkerPool:
             raise _StartFailed(f"died while loading the model ({type(exc).__name__})") from None
         slot.load_ref = None
 
+    def _where(self, slot: WorkerSlot) -> dict[str, Any]:
+        try:
+            return ray.get(slot.ready_ref, timeout=self.config.ray_call_timeout_s)
+        except (RayError, GetTimeoutError) as exc:
+            raise _StartFailed(f"worker {slot.index} died before it started ({type(exc).__name__})") from None
+
+    @staticmethod
+    def _note_placement(slot: WorkerSlot, where: dict[str, Any]) -> None:
+        slot.node_id, slot.pid = where["node_id"], where.get("pid")
+        slot.node_cpus, slot.node_memory = max(1, int(where["cpus"])), int(where.get("memory") or 0)
+
+    def _load(self, slot: WorkerSlot) -> None:
+        """Sends a placed worker its configuration (threads and KV memory sized for its
+        node) and starts the model load."""
+        slot.num_threads = self._threads_for(slot)
+        config = msgspec.structs.replace(
+            self._worker_config, num_threads=slot.num_threads, kv_cache_memory_bytes=self._kv_bytes_for(slot)
+        )
+        slot.load_ref = slot.actor.load.remote(msgspec.msgpack.encode(config))
+        self._rebalance_threads(slot.node_id, exclude=slot)
+
     def activated(self, slot: WorkerSlot) -> None:
         """The engine made ``slot`` live: starts count as succeeding again."""
         self._start_failures = 0
 
-    # -- threads --------------------------------------------------------------------
+    # -- sizes ----------------------------------------------------------------------
+
+    def _kv_bytes_for(self, slot: WorkerSlot) -> int | None:
+        """A worker's KV budget: the configured bytes; on a GPU None (the worker sizes
+        it from gpu_memory_utilization); on CPU its share of ``cpu_kv_cache_fraction``
+        of its node's RAM, split among this engine's workers there (so two workers on
+        one host do not each take a quarter of it)."""
+        c = self.config
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes
+        if self._resources["num_gpus"] or not slot.node_memory:
+            return None
+        sharing = sum(1 for s in self.slots if s.node_id == slot.node_id)
+        return max(1, int(slot.node_memory * c.cpu_kv_cache_fraction / max(1, sharing)))
 
     def _threads_for(self, slot: WorkerSlot) -> int:
         c = self.config

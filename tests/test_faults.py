@@ -30,6 +30,7 @@ import msgspec
 import psutil
 import pytest
 import ray
+import torch
 from ray.exceptions import ObjectReconstructionFailedError
 
 import cluster.engine as engine_module
@@ -180,6 +181,38 @@ def assert_logprobs_equal(got: Any, want: Any, what: str) -> None:
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5), what
 
 
+_REFERENCE_MODEL: list[Any] = []
+TINY_PATH: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remember_the_tiny_model(tiny_model_path):
+    TINY_PATH[:] = [tiny_model_path]
+
+
+def float_noise_flip(prompt: list[int], prefix: list[int], seed: int, temperature: float, got: int, want: int) -> bool:
+    """Whether a seeded row that picked ``got`` where the undisturbed run picked
+    ``want`` did so only because float rounding moved a CDF boundary across its uniform:
+    recomputing KV in other chunks (after a failover, or from the prefix cache) changes
+    logits by ~1e-6, and on the tiny random model's near-flat distributions a uniform
+    that close to a boundary selects the neighbouring token. True only if the two tokens
+    are neighbours in the sampler's (vocabulary-order) CDF and the row's own uniform for
+    this position lies within 1e-4 of the boundary between them; a wrong random stream
+    (a generator at the wrong position) is never excused."""
+    from sampler.metadata import seeded_generator
+    from transformers import AutoModelForCausalLM
+
+    if abs(got - want) != 1:
+        return False
+    if not _REFERENCE_MODEL:
+        _REFERENCE_MODEL.append(AutoModelForCausalLM.from_pretrained(TINY_PATH[0], dtype=torch.float32).eval())
+    with torch.inference_mode():
+        logits = _REFERENCE_MODEL[0](torch.tensor([list(prompt) + list(prefix)])).logits[0, -1].float()
+    cdf = torch.softmax(logits / temperature, dim=-1).double().cumsum(0)
+    u = float(torch.rand(1, generator=seeded_generator(seed, torch.device("cpu"), len(prefix)))[0])
+    return abs(u - float(cdf[min(got, want)])) < 1e-4
+
+
 def assert_like_reference(finals: dict[str, RequestOutput], prefix: str, reference: list[RequestOutput],
                           logprobs: bool = False, context: str = "") -> None:
     """Every request finished without error, with the undisturbed run's tokens (and
@@ -196,6 +229,10 @@ def assert_like_reference(finals: dict[str, RequestOutput], prefix: str, referen
                           min(len(c.token_ids), len(rc.token_ids)))
                 sp = PARAMS_OF.get(id(ref))
                 kind = "greedy" if sp is not None and sp.temperature == 0 else "seeded random"
+                if kind == "seeded random" and at < min(len(c.token_ids), len(rc.token_ids)) and float_noise_flip(
+                    ref.prompt_token_ids, rc.token_ids[:at], sp.seed + j, sp.temperature, c.token_ids[at], rc.token_ids[at]
+                ):
+                    continue
                 problems.append(f"request {i} sample {j} ({kind}) differs from token {at} on: "
                                 f"{c.token_ids[at:at + 4]}... vs undisturbed {rc.token_ids[at:at + 4]}...")
             if c.finish_reason != rc.finish_reason:

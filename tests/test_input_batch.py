@@ -5,8 +5,9 @@
   for new requests, condensing unidirectional moves, optional swaps) and, after every
   step, compares it with a fresh ``InputBatch`` that receives every live request in its
   final row in a single step: every ``row_state``, ``batch_size``, the sampling metadata
-  (also against ``SamplingMetadata.from_requests``), the KV cache content of each
-  request, the MinP / LogitBias / MinTokens processors and the thinking-budget holder.
+  (also against ``SamplingMetadata.from_requests``), each request's block table and the
+  KV content read through it, the MinP / LogitBias / MinTokens processors and the
+  thinking-budget holder.
 * Invalid steps raise ``ProtocolError`` naming the problem and leave the batch as it was.
 * The sampling metadata is incremental (identity on quiet steps) and its shortcuts are
   right for hand-made batches.
@@ -37,7 +38,7 @@ from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 from worker.input_batch import InputBatch
-from worker.kv_cache import RowKVCache
+from worker.kv_cache import PagedKVCache
 from worker.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
@@ -51,6 +52,8 @@ V = 48
 R = 8
 MAX_LEN = 64
 HEAD_DIM = 4
+BS = 4  # tokens per KV block (small: tables of many blocks)
+NB = R * (MAX_LEN // BS + 2)  # blocks in the pool
 START = [40, 41]
 END = [42, 43, 44]
 CPU = torch.device("cpu")
@@ -79,14 +82,16 @@ def make_batch(
             ReasoningConfig(reasoning_start_token_ids=START, reasoning_end_token_ids=END),
             rows, 0, "cpu", False,
         ),
-        kv_cache=RowKVCache(
-            num_layers=1, num_rows=rows, num_kv_heads=1, head_dim=HEAD_DIM,
-            max_len=max_model_len, dtype=torch.float32, device=CPU,
+        kv_cache=PagedKVCache(
+            num_layers=1, num_blocks=NB, block_size=BS, num_kv_heads=1, head_dim=HEAD_DIM,
+            dtype=torch.float32, device=CPU,
         ) if kv else None,
     )
 
 
-def step(batch_size, removed=(), added=(), moved=(), sched=None, step_id=0) -> StepRequest:
+def step(batch_size, removed=(), added=(), moved=(), sched=None, step_id=0, blocks=None) -> StepRequest:
+    """``blocks[row]``: the KV blocks that row gains this step."""
+    blocks = blocks if blocks is not None else []
     return StepRequest(
         version=PROTOCOL_VERSION,
         step_id=step_id,
@@ -95,6 +100,8 @@ def step(batch_size, removed=(), added=(), moved=(), sched=None, step_id=0) -> S
         added=list(added),
         moved=list(moved),
         num_scheduled_tokens=Int32Array.of([0] * batch_size if sched is None else sched),
+        num_new_blocks=Int32Array.of([len(b) for b in blocks]),
+        new_block_ids=Int32Array.of([x for b in blocks for x in b]),
     )
 
 
@@ -181,7 +188,7 @@ class Req:
     output: list[int]
     computed: int = 0
     kv_id: int = 0  # a fresh id per placement: a (re-)added request starts a new cache
-
+    blocks: list = None  # its KV blocks (its block table), this placement
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -245,6 +252,7 @@ class Harness:
         self.step_id = 0
         self.sched: list[int] = []
         self.stats = dict(moves=0, swaps=0, replaced=0, resumed=0, quiet=0)
+        self.free = [int(b) for b in np.random.default_rng(0).permutation(NB)]  # never contiguous
 
     def draw(self, strategy):
         return self.data.draw(strategy)
@@ -270,7 +278,7 @@ class Harness:
             prompt = self.draw(prompts())
             output = self.draw(st.lists(tokens, max_size=4))  # resumed from elsewhere
             req = Req(f"req-{next(self.ids)}", self.draw(sampling_params()), prompt, output)
-        req.computed, req.kv_id = 0, next(self.kv_ids)
+        req.computed, req.kv_id, req.blocks = 0, next(self.kv_ids), []
         return req
 
     def schedule(self) -> StepRequest:
@@ -302,6 +310,8 @@ class Harness:
                 adds.append((row, req))
             for req in gone.values():  # they may come back in a later step
                 self.finished[req.rid] = req
+                self.free.extend(req.blocks)
+                req.blocks = []
             # condense: the highest occupied row into the lowest hole
             pop_in_condense = self.draw(st.booleans())
             holes = sorted(i for i, r in enumerate(slots) if r is None)
@@ -332,8 +342,14 @@ class Harness:
         sched = [self.draw(st.integers(0, r.num_tokens - r.computed)) for r in slots]
         self.sched = sched
         self.step_id += 1
+        gained = []  # each row's new blocks: enough to cover what it computes this step
+        for r, n in zip(slots, sched):
+            need = -(-(r.computed + n) // BS) - len(r.blocks)
+            new = [self.free.pop(0) for _ in range(max(0, need))]
+            r.blocks.extend(new)
+            gained.append(new)
         if update is None:
-            return step(len(slots), sched=sched, step_id=self.step_id)
+            return step(len(slots), sched=sched, step_id=self.step_id, blocks=gained)
         by_row = {id(req.output): (row, req) for row, req in adds}
         return step(
             update.batch_size,
@@ -349,25 +365,28 @@ class Harness:
             moved=[MovedRows(a, b_, d == SWAP) for a, b_, d in update.moved],
             sched=sched,
             step_id=self.step_id,
+            blocks=gained,
         )
 
     def run_step(self):
-        """The model runner's part: the scheduled tokens get cached keys/values."""
+        """The model runner's part: the scheduled tokens' keys/values go into the
+        slots the request's own blocks give them."""
         kv = self.batch.kv_cache
         for row, req in enumerate(self.rows):
             count = int(self.batch.num_computed[row])
             assert count == req.computed
             new = req.computed + self.sched[row]
-            if new > req.computed:
-                content = kv_content(req.kv_id, range(req.computed, new))
-                kv.keys[0][row, 0, req.computed : new] = content
-                kv.values[0][row, 0, req.computed : new] = -content
+            for pos in range(req.computed, new):
+                content = kv_content(req.kv_id, [pos])[0]
+                kv.keys[0][req.blocks[pos // BS], 0, pos % BS] = content
+                kv.values[0][req.blocks[pos // BS], 0, pos % BS] = -content
             req.computed = new
             self.batch.num_computed[row] = new
 
     def fresh(self) -> InputBatch:
-        """A batch that receives every live request, in its final row, in one step."""
-        fresh = make_batch(self.config, kv=False)
+        """A batch that receives every live request, in its final row with its blocks,
+        in one step."""
+        fresh = make_batch(self.config)
         fresh.apply(step(len(self.rows), added=[
             AddedRequest(
                 row=row, request_id=req.rid, params=req.params,
@@ -375,7 +394,7 @@ class Harness:
                 output_token_ids=Int32Array.of(req.output),
             )
             for row, req in enumerate(self.rows)
-        ]))
+        ], blocks=[req.blocks for req in self.rows]))
         for row, req in enumerate(self.rows):
             fresh.num_computed[row] = req.computed
         return fresh
@@ -416,12 +435,16 @@ class Harness:
         assert md.logitsprocs is batch.logitsprocs and md.thinking_budget is batch.thinking_budget
         assert batch.sampling_metadata() is md  # cached until the batch changes
 
-        # the KV cache content travelled with each request
+        # each row's table still reaches its request's KV (a move moved the table only)
         kv = batch.kv_cache
         for row, req in enumerate(self.rows):
+            table = batch.block_table[row, : batch.num_blocks[row]].tolist()
+            assert table == req.blocks, f"block table of row {row}"
             want = kv_content(req.kv_id, range(req.computed))
-            assert torch.equal(kv.keys[0][row, 0, : req.computed], want), f"keys of row {row}"
-            assert torch.equal(kv.values[0][row, 0, : req.computed], -want), f"values of row {row}"
+            pos = torch.arange(req.computed)
+            blocks = torch.as_tensor(table, dtype=torch.long)[pos // BS] if req.computed else pos
+            assert torch.equal(kv.keys[0][blocks, 0, pos % BS], want), f"keys of row {row}"
+            assert torch.equal(kv.values[0][blocks, 0, pos % BS], -want), f"values of row {row}"
 
         # processors and the thinking budget see the same batch
         gen = torch.Generator().manual_seed(self.step_id)
@@ -483,7 +506,7 @@ def base() -> InputBatch:
         added(1, "r1", prompt=[5] + START + [6], temperature=0.7, seed=3, allowed_token_ids=[1, 7],
               logit_bias={2: 1.5}, thinking_token_budget=1),
         added(2, "r2", prompt=[9, 9], temperature=0.7, min_p=0.2, min_tokens=2, stop_token_ids=[3]),
-    ]))
+    ], blocks=[[10], [11, 12], [13]]))
     batch.num_computed[:3] = [2, 1, 0]
     batch.append_tokens(2, [11])
     batch.kv_cache.keys[0][:3, 0, :2] = torch.arange(24, dtype=torch.float32).view(3, 2, 4)
@@ -542,6 +565,24 @@ INVALID_STEPS = {
         lambda: step(4, added=[_good(), added(0, "y", prompt=[V])]),
         r"added\[1\] \(request 'y'\): prompt_token_ids holds",
     ),
+    # blocks
+    "block-outside-the-pool": (lambda: step(3, blocks=[[NB], [], []]), rf"new_block_ids holds {NB}, outside the pool of {NB} blocks"),
+    "block-negative": (lambda: step(3, blocks=[[-1], [], []]), r"new_block_ids holds -1"),
+    "block-counts-wrong-length": (lambda: StepRequest(version=PROTOCOL_VERSION, step_id=0, batch_size=3,
+                                                      num_scheduled_tokens=Int32Array.of([0, 0, 0]),
+                                                      num_new_blocks=Int32Array.of([1]), new_block_ids=Int32Array.of([5])),
+                                  r"num_new_blocks has 1 entries for batch_size 3"),
+    "block-counts-wrong-sum": (lambda: StepRequest(version=PROTOCOL_VERSION, step_id=0, batch_size=3,
+                                                   num_scheduled_tokens=Int32Array.of([0, 0, 0]),
+                                                   num_new_blocks=Int32Array.of([1, 1, 0]), new_block_ids=Int32Array.of([5])),
+                               r"num_new_blocks sums to 2 for 1 new_block_ids"),
+    "table-overflow": (lambda: step(3, blocks=[[20] * 40, [], []]), r"row 0 would hold 41 blocks"),
+    "new-row-without-blocks": (lambda: step(4, added=[_good()], sched=[0, 0, 0, 2]), r"row 3 \(request 'new'\) runs up to position 2 but its 0 blocks hold 0 tokens"),
+    "cached-prefix-covers-everything": (
+        lambda: step(4, added=[AddedRequest(row=3, request_id="x", params=SamplingParams(max_tokens=None),
+                                            prompt_token_ids=Int32Array.of([1, 2]), num_computed_tokens=2)]),
+        r"num_computed_tokens 2 leaves none of its 2 tokens to run",
+    ),
 }
 
 
@@ -558,7 +599,7 @@ def test_invalid_step_raises_and_changes_nothing(base, name):
     assert torch.equal(base.kv_cache.keys[0], keys) and torch.equal(base.kv_cache.values[0], values)
     assert base.sampling_metadata() is md  # nothing changed, so nothing was rebuilt
     # the batch is still usable
-    base.apply(step(4, added=[_good()], sched=[1, 1, 1, 2]))
+    base.apply(step(4, added=[_good()], sched=[1, 1, 1, 2], blocks=[[], [], [], [20]]))
     assert base.batch_size == 4 and base.row_state(3)["request_id"] == "new"
     assert base.row_state(0)["request_id"] == "r0" and base.row_state(1)["token_ids"] == [5, *START, 6]
 
@@ -581,7 +622,7 @@ def test_metadata_identity_until_the_batch_changes():
     md = batch.sampling_metadata()
     assert batch.sampling_metadata() is md
     # a step without batch changes (only scheduled tokens) keeps the object
-    assert batch.apply(step(2, sched=[1, 1])) is None
+    assert batch.apply(step(2, sched=[1, 1], blocks=[[0], [1]])) is None
     assert batch.sampling_metadata() is md
     # appended tokens show through the live output lists, without a rebuild
     batch.append_tokens(0, [7])

@@ -259,10 +259,16 @@ def test_loading_errors_are_clear(tmp_path, tiny_model_path):
         make_worker(tiny_model_path, logits_processors=["no.such.module:Proc"])
 
 
-def test_kv_budget_sets_the_rows(tiny_model_path):
-    w = make_worker(tiny_model_path, max_num_seqs=64, max_model_len=128)
-    info = w._runner.info
-    per_row = info.kv_cache_bytes // info.max_num_seqs
-    w2 = make_worker(tiny_model_path, max_num_seqs=64, max_model_len=128, kv_cache_memory_bytes=per_row * 5 + 1)
-    assert w2._runner.info.max_num_seqs == 5
-    assert np.isclose(per_row, 2 * 2 * 2 * 16 * 4 * 128)  # k+v, layers, kv heads, head dim, fp32, len
+def test_the_kv_pool_is_sized_from_the_budget(tiny_model_path):
+    """Blocks = budget / bytes per block, at most enough for every row at
+    max_model_len; kv_cache_tokens overrides the budget; a budget too small for one
+    block is a load error that says so."""
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # k+v, layers, kv heads, head dim, fp32, block
+    full = make_worker(tiny_model_path, max_num_seqs=64, max_model_len=128)._runner.info
+    assert full.num_kv_blocks == 64 * 128 // 16 and full.kv_cache_bytes == full.num_kv_blocks * per_block
+    w = make_worker(tiny_model_path, max_num_seqs=64, max_model_len=128, kv_cache_memory_bytes=per_block * 5 + 1)
+    assert w._runner.info.num_kv_blocks == 5 and w._runner.info.max_num_seqs == 64
+    w = make_worker(tiny_model_path, max_num_seqs=4, max_model_len=128, kv_cache_tokens=100)
+    assert w._runner.info.num_kv_blocks == 7  # whole blocks covering 100 tokens
+    with pytest.raises(ModelLoadError, match="holds no block"):
+        make_worker(tiny_model_path, kv_cache_memory_bytes=per_block - 1)

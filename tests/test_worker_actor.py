@@ -87,7 +87,16 @@ def _add(rows_and_prompts, params=GREEDY, step_id=0, batch_size=None, sched=None
     n = batch_size if batch_size is not None else len(added)
     sched = sched if sched is not None else [len(p) for _, p in rows_and_prompts]
     return StepRequest(version=PROTOCOL_VERSION, step_id=step_id, batch_size=n, added=added,
-                       num_scheduled_tokens=Int32Array.of(sched))
+                       num_scheduled_tokens=Int32Array.of(sched), **blocks_for([(r, len(p) + 1) for r, p in rows_and_prompts], n))
+
+
+def blocks_for(rows_and_tokens, batch_size, block_size=16):
+    """The step fields that give row r blocks r*8, r*8+1, ... covering its tokens."""
+    counts, ids = [0] * batch_size, []
+    for r, tokens in rows_and_tokens:
+        counts[r] = -(-tokens // block_size)
+        ids += [r * 8 + i for i in range(counts[r])]
+    return dict(num_new_blocks=Int32Array.of(counts), new_block_ids=Int32Array.of(ids))
 
 
 def test_bad_messages_get_clear_errors_and_the_actor_keeps_its_batch(actor):
@@ -144,7 +153,7 @@ def test_processor_that_raises_fails_the_step_and_the_actor_survives(actor):
     nxt = StepRequest(
         version=PROTOCOL_VERSION, step_id=1, batch_size=1, removed=[1],
         added=[AddedRequest(row=0, request_id="fine", params=GREEDY, prompt_token_ids=Int32Array.of(p))],
-        num_scheduled_tokens=Int32Array.of([len(p)]),
+        num_scheduled_tokens=Int32Array.of([len(p)]), **blocks_for([(0, len(p))], 1),
     )
     reply = step(nxt)
     assert reply.error is None and len(reply.sampled_token_ids) == 1
@@ -160,9 +169,11 @@ def test_health_memory_timings_reset(actor):
     for _ in range(3):
         d.step()
     mem = ray.get(actor.memory.remote())
-    assert mem["kv_cache_rows"] == 4 and mem["kv_rows_in_use"] == 2
+    assert mem["kv_cache_blocks"] == 4 * 256 // 16 and mem["kv_rows_in_use"] == 2
     # Row 0: prompt at step 0, decodes at steps 1-2; row 1: chunks of 16 + 4, one decode.
     assert mem["kv_tokens_in_use"] == (10 + 2) + (20 + 1)
+    # Blocks held: what the driver gave (it keeps room for 8 more tokens per row).
+    assert mem["kv_blocks_in_use"] == sum(len(r.blocks) for r in d.rows) == 4
     assert mem["process_rss_bytes"] > 0
     t = ray.get(actor.timings.remote())
     assert t["forward"] > 0

@@ -3,8 +3,10 @@
 Requests arrive at given steps, join when a row is free (the lowest freed row first),
 leave when they reach max_tokens or a stop token, and the remaining holes are condensed
 with unidirectional moves from the top (optionally rows are also swapped). Prefill runs
-in chunks under a per-step token budget. The step function takes and returns bytes, so
-the same driver runs an in-process ``Worker`` or a Ray actor.
+in chunks under a per-step token budget. KV blocks come from a shuffled free list (so
+block tables are never contiguous), with ``spare_tokens`` of room past each step for
+speculative drafts. The step function takes and returns bytes, so the same driver runs
+an in-process ``Worker`` or a Ray actor.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Req:
     num_drafts: int = 0
     num_accepted: int = 0
     error: str | None = None
+    blocks: list[int] = field(default_factory=list)
 
     @property
     def known(self) -> int:
@@ -62,8 +65,16 @@ class MiniDriver:
         token_budget: int = 64,
         chunk: int = 16,
         swap_seed: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        spare_tokens: int = 8,
     ) -> None:
         self.step_fn = step_fn
+        self.block_size = block_size
+        self.spare_tokens = spare_tokens
+        # The worker's pool holds at least max_rows rows of 256 tokens (the tests' size).
+        self.free_blocks = list(range(num_blocks if num_blocks is not None else max_rows * (256 // block_size)))
+        random.Random(7).shuffle(self.free_blocks)
         self.max_rows = max_rows
         self.token_budget = token_budget
         self.chunk = chunk
@@ -86,6 +97,8 @@ class MiniDriver:
         slots: list[Req | None] = list(self.rows)
         for i in removed:
             self.finished[slots[i].request_id] = slots[i]
+            self.free_blocks.extend(slots[i].blocks)
+            slots[i].blocks = []
             slots[i] = None
         free = sorted(removed)  # lowest freed row first
         added = []
@@ -102,6 +115,8 @@ class MiniDriver:
             slots[row] = req
             self.waiting.remove(req)
             req.computed = 0
+            self.free_blocks.extend(req.blocks)
+            req.blocks = []
             added.append(AddedRequest(
                 row=row, request_id=req.request_id, params=req.params,
                 prompt_token_ids=Int32Array.of(req.prompt), output_token_ids=Int32Array.of(req.output),
@@ -134,9 +149,21 @@ class MiniDriver:
             if left > 1 and budget > 0:
                 sched[i] = min(left, self.chunk, budget)
                 budget -= sched[i]
+        gained = []  # an added row arrives with no blocks: all of its come from here
+        for i, r in enumerate(slots):
+            new = []
+            if sched[i]:
+                need = -(-(r.computed + sched[i] + self.spare_tokens) // self.block_size) - len(r.blocks)
+                for _ in range(max(0, need)):
+                    block = self.free_blocks.pop()
+                    r.blocks.append(block)
+                    new.append(block)
+            gained.append(new)
         step = StepRequest(
             version=PROTOCOL_VERSION, step_id=self.step_id, batch_size=len(slots),
             removed=removed, added=added, moved=moved, num_scheduled_tokens=Int32Array.of(sched),
+            num_new_blocks=Int32Array.of([len(g) for g in gained]),
+            new_block_ids=Int32Array.of([b for g in gained for b in g]),
         )
         self._scheduled = sched
         return step

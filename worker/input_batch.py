@@ -1,11 +1,12 @@
 """InputBatch: the worker's persistent batch, one row per running request.
 
 Every per-row array lives here (token ids, lengths, sampling parameters, generators,
-the row's slot in the KV cache) and follows each step's ``BatchUpdate`` exactly as the
-seeds define it: removes, then adds into the given rows, then moves (unidirectional or
-swap) in order. The logits processors and the thinking-budget holder get the same
-update. A step message is checked against a shadow of the batch before anything
-changes, so a bad one leaves the batch intact.
+the row's block table into the paged KV cache) and follows each step's ``BatchUpdate``
+exactly as the seeds define it: removes, then adds into the given rows, then moves
+(unidirectional or swap) in order; then each row appends the KV blocks it gained this
+step. Moving a row moves its block table (a few ints), never KV. The logits processors
+and the thinking-budget holder get the same update. A step message is checked against a
+shadow of the batch before anything changes, so a bad one leaves the batch intact.
 
 Sampling metadata is kept incrementally: parameters are written once per added or
 moved row, and the batch-level tensors and shortcuts are refreshed only on steps whose
@@ -27,7 +28,7 @@ from sampler.logits_processor.state import LogitsProcessors
 from sampler.metadata import SamplingMetadata, seeded_generator
 from sampler.params import SamplingParams, SamplingType
 from sampler.thinking_budget import ThinkingBudgetStateHolder
-from worker.kv_cache import RowKVCache
+from worker.kv_cache import PagedKVCache
 from worker.protocol import ProtocolError, StepRequest
 
 NO_LOGPROBS = -2  # per-row logprob arrays: the request did not ask
@@ -42,6 +43,7 @@ class CachedRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # the live list the processors hold
     generator: torch.Generator | None
+    num_computed: int = 0  # tokens whose KV it arrived with (a prefix-cache hit)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class _ShadowRow:
     request_id: str
     num_computed: int
     num_tokens: int
+    num_blocks: int
 
 
 class InputBatch:
@@ -59,7 +62,7 @@ class InputBatch:
         device: torch.device,
         logitsprocs: LogitsProcessors,
         thinking_budget: ThinkingBudgetStateHolder | None = None,
-        kv_cache: RowKVCache | None = None,
+        kv_cache: PagedKVCache | None = None,
     ) -> None:
         rows, vocab = config.max_num_seqs, config.vocab_size
         self.config = config
@@ -79,6 +82,12 @@ class InputBatch:
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
         self.num_computed = np.zeros(rows, dtype=np.int64)  # tokens with cached keys/values
+        # Each row's KV blocks, in position order (the driver's BlockManager chose them).
+        self.block_size = kv_cache.block_size if kv_cache is not None else 16
+        self.num_pool_blocks = kv_cache.num_blocks if kv_cache is not None else 0
+        max_blocks = -(-(max_model_len + config.num_spec_tokens) // self.block_size) + 1
+        self.block_table = np.zeros((rows, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
         # Sampling parameters, one entry per row.
         self.temperature = np.ones(rows, dtype=np.float32)
         self.greedy = np.zeros(rows, dtype=bool)
@@ -93,6 +102,7 @@ class InputBatch:
         self.allowed_banned: torch.Tensor | None = None  # [rows, vocab] bool, made on first use
         self._per_row = [
             self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed,
+            self.block_table, self.num_blocks,
             self.temperature, self.greedy, self.top_k, self.top_p, self.repetition_penalty,
             self.frequency_penalty, self.presence_penalty, self.num_logprobs,
             self.num_prompt_logprobs, self.has_allowed,
@@ -127,6 +137,7 @@ class InputBatch:
                 self._move(m.a, m.b, m.swap)
             self.batch_size = step.batch_size
             self._metadata = None
+        self._append_blocks(step)
         # Processors hear about every step (None when nothing changed), as in vLLM.
         self.logitsprocs.update_state(update)
         if self.thinking_budget is not None:
@@ -143,13 +154,13 @@ class InputBatch:
                 what = "hold no request after the update" if n > self.batch_size else "past the batch still hold requests"
                 raise ProtocolError(f"batch_size {n}: rows {rows} {what}")
             self._check_scheduled(
-                step, self.num_computed[:n], self.num_tokens[:n],
+                step, self.num_computed[:n], self.num_tokens[:n], self.num_blocks[:n],
                 lambda row: self.requests[row].request_id,
             )
             return []
         shadow: list[_ShadowRow | None] = [
             None if r is None else _ShadowRow(
-                r.request_id, int(self.num_computed[i]), int(self.num_tokens[i])
+                r.request_id, int(self.num_computed[i]), int(self.num_tokens[i]), int(self.num_blocks[i])
             )
             for i, r in enumerate(self.requests)
         ]
@@ -168,7 +179,7 @@ class InputBatch:
             where = f"added[{i}] (request {a.request_id!r})"
             row_in_range(a.row, where)
             built.append(self._check_added(a, where))
-            shadow[a.row] = _ShadowRow(a.request_id, 0, len(a.prompt_token_ids) + len(a.output_token_ids))
+            shadow[a.row] = _ShadowRow(a.request_id, a.num_computed_tokens, len(a.prompt_token_ids) + len(a.output_token_ids), 0)
         for i, m in enumerate(step.moved):
             row_in_range(m.a, f"moved[{i}]")
             row_in_range(m.b, f"moved[{i}]")
@@ -193,18 +204,21 @@ class InputBatch:
             step,
             np.fromiter((s.num_computed for s in shadow[:n]), np.int64, n),
             np.fromiter((s.num_tokens for s in shadow[:n]), np.int64, n),
+            np.fromiter((s.num_blocks for s in shadow[:n]), np.int64, n),
             lambda row: shadow[row].request_id,
         )
         return built
 
-    @staticmethod
-    def _check_scheduled(step: StepRequest, computed: np.ndarray, known: np.ndarray, request_id) -> None:
-        """Every row runs between 0 and its not-yet-computed tokens."""
+    def _check_scheduled(
+        self, step: StepRequest, computed: np.ndarray, known: np.ndarray, blocks: np.ndarray, request_id
+    ) -> None:
+        """Every row runs between 0 and its not-yet-computed tokens; the blocks it
+        gains are real pool blocks that fit its table, and its table then covers every
+        position it writes."""
+        n = step.batch_size
         sched = step.num_scheduled_tokens.numpy()
-        if len(sched) != step.batch_size:
-            raise ProtocolError(
-                f"num_scheduled_tokens has {len(sched)} entries for batch_size {step.batch_size}"
-            )
+        if len(sched) != n:
+            raise ProtocolError(f"num_scheduled_tokens has {len(sched)} entries for batch_size {n}")
         bad = np.flatnonzero((sched < 0) | (computed + sched > known))
         if len(bad):
             row = int(bad[0])
@@ -212,6 +226,40 @@ class InputBatch:
                 f"num_scheduled_tokens[{row}] = {int(sched[row])}: request "
                 f"{request_id(row)!r} has {int(known[row] - computed[row])} tokens left to run"
             )
+        gained = step.num_new_blocks.numpy()
+        ids = step.new_block_ids.numpy()
+        if len(gained) not in (0, n):
+            raise ProtocolError(f"num_new_blocks has {len(gained)} entries for batch_size {n}")
+        if len(gained) and (gained.min() < 0 or int(gained.sum()) != len(ids)):
+            raise ProtocolError(f"num_new_blocks sums to {int(gained.sum())} for {len(ids)} new_block_ids")
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_pool_blocks):
+            bad_id = int(ids[(ids < 0) | (ids >= self.num_pool_blocks)][0])
+            raise ProtocolError(f"new_block_ids holds {bad_id}, outside the pool of {self.num_pool_blocks} blocks")
+        total = blocks + (gained if len(gained) else 0)
+        too_many = np.flatnonzero(total > self.block_table.shape[1])
+        if len(too_many):
+            row = int(too_many[0])
+            raise ProtocolError(f"row {row} would hold {int(total[row])} blocks, more than {self.block_table.shape[1]}")
+        short = np.flatnonzero((sched > 0) & ((computed + sched) > total * self.block_size))
+        if len(short):
+            row = int(short[0])
+            raise ProtocolError(
+                f"row {row} (request {request_id(row)!r}) runs up to position {int(computed[row] + sched[row])} "
+                f"but its {int(total[row])} blocks hold {int(total[row]) * self.block_size} tokens"
+            )
+
+    def _append_blocks(self, step: StepRequest) -> None:
+        gained = step.num_new_blocks.numpy()
+        if not len(gained) or not gained.any():
+            return
+        ids = step.new_block_ids.numpy()
+        at = 0
+        for row in np.flatnonzero(gained).tolist():
+            k = int(gained[row])
+            start = int(self.num_blocks[row])
+            self.block_table[row, start : start + k] = ids[at : at + k]
+            self.num_blocks[row] = start + k
+            at += k
 
     def _check_added(self, a, where: str) -> CachedRequest:
         prompt = a.prompt_token_ids.numpy()
@@ -223,6 +271,8 @@ class InputBatch:
             raise ProtocolError(
                 f"{where}: {total} tokens leave no room under max_model_len {self.max_model_len}"
             )
+        if a.num_computed_tokens >= total:
+            raise ProtocolError(f"{where}: num_computed_tokens {a.num_computed_tokens} leaves none of its {total} tokens to run")
         for name, arr in (("prompt_token_ids", prompt), ("output_token_ids", output)):
             if len(arr) and (arr.min() < 0 or arr.max() >= self.vocab_size):
                 bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
@@ -236,7 +286,7 @@ class InputBatch:
         if a.params.sampling_type == SamplingType.RANDOM_SEED:
             draws = a.num_generator_draws if a.num_generator_draws is not None else len(output)
             gen = seeded_generator(a.params.seed, self.device, draws)
-        return CachedRequest(a.request_id, a.params, prompt.tolist(), output.tolist(), gen)
+        return CachedRequest(a.request_id, a.params, prompt.tolist(), output.tolist(), gen, a.num_computed_tokens)
 
     def _clear_row(self, row: int) -> None:
         req = self.requests[row]
@@ -248,6 +298,7 @@ class InputBatch:
     def _reset_row(self, row: int) -> None:
         """An empty row holds the defaults (nothing of its last request lingers)."""
         self.num_tokens[row] = self.num_prompt_tokens[row] = self.num_computed[row] = 0
+        self.num_blocks[row] = 0
         self.temperature[row] = 1.0
         self.greedy[row] = False
         self.top_k[row] = self.vocab_size
@@ -269,7 +320,8 @@ class InputBatch:
         self.token_ids[row, n_prompt : n_prompt + n_out] = req.output_token_ids
         self.num_prompt_tokens[row] = n_prompt
         self.num_tokens[row] = n_prompt + n_out
-        self.num_computed[row] = 0
+        self.num_computed[row] = req.num_computed
+        self.num_blocks[row] = 0
         greedy = p.sampling_type == SamplingType.GREEDY
         self.greedy[row] = greedy
         self.temperature[row] = 1.0 if greedy else p.temperature
@@ -291,11 +343,6 @@ class InputBatch:
             self.allowed_banned[row, ids] = False
 
     def _move(self, a: int, b: int, swap: bool) -> None:
-        if self.kv_cache is not None:
-            if swap:
-                self.kv_cache.swap(a, b, int(self.num_computed[a]), int(self.num_computed[b]))
-            else:
-                self.kv_cache.move(a, b, int(self.num_computed[a]))
         arrays = self._per_row + ([self.allowed_banned] if self.allowed_banned is not None else [])
         for arr in arrays:
             if swap:
@@ -391,9 +438,10 @@ class InputBatch:
         """Everything the batch holds about one row, comparable across batches."""
         req = self.requests[row]
         n = int(self.num_tokens[row])
-        state = {name: arr[row] for name, arr in zip(_PER_ROW_NAMES, self._per_row) if name != "token_ids"}
+        state = {name: arr[row] for name, arr in zip(_PER_ROW_NAMES, self._per_row) if name not in ("token_ids", "block_table")}
         state = {k: (v.item() if hasattr(v, "item") else v) for k, v in state.items()}
         state["token_ids"] = self.token_ids[row, :n].tolist()
+        state["block_table"] = self.block_table[row, : int(self.num_blocks[row])].tolist()
         state["request_id"] = req.request_id if req else None
         state["output_token_ids"] = list(req.output_token_ids) if req else None
         if self.allowed_banned is not None and self.has_allowed[row]:
@@ -402,7 +450,7 @@ class InputBatch:
 
 
 _PER_ROW_NAMES = [
-    "token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "temperature", "greedy",
+    "token_ids", "num_tokens", "num_prompt_tokens", "num_computed", "block_table", "num_blocks", "temperature", "greedy",
     "top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
     "num_logprobs", "num_prompt_logprobs", "has_allowed",
 ]

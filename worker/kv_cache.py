@@ -1,20 +1,35 @@
-"""The per-row KV cache and the attention function that reads and writes it.
+"""The paged KV cache and the attention function that reads and writes it.
 
-Row ``r`` of the persistent batch owns slot ``r`` of every layer's key and value tensors
-(``[rows, kv_heads, max_len, head_dim]``), so decode attention over rows ``0..n-1``
-reads a view of the cache, with no gather. Moving a request to another row copies its
-slot (moves happen only when the batch condenses after a finish).
+Storage: per layer, keys and values for ``num_blocks`` blocks of ``block_size`` token
+slots, ``[num_blocks, kv_heads, block_size, head_dim]``. The driver's ``BlockManager``
+decides which blocks a sequence holds; the worker keeps each row's block table
+(``InputBatch.block_table``) and reads the pool through it. A token at position ``p`` of
+a row lives in slot ``p % block_size`` of the row's block ``table[p // block_size]``.
+Blocks are shared between rows (a cached prefix) and never copied: a row only writes
+positions past what it found cached, which start a block of its own.
 
-The attention function is registered with transformers' ``AttentionInterface`` under
-``ATTENTION_NAME``; the model runs unchanged (its projections, RoPE and MLP) on the
-step's tokens packed into one sequence, and each layer's attention call receives the
-step's ``AttentionPlan`` through the forward's keyword arguments. Rows with a short
-query (decodes, speculative verification) attend in one batched SDPA call; long
-prefill chunks attend one row at a time (their cost is in the matmuls anyway).
+The model runs unchanged through transformers' ``AttentionInterface``: each layer's
+attention call gets the step's ``AttentionPlan`` (the packed tokens' slots and, per
+row, its block table and lengths) and
+
+1. writes the step's keys and values into their slots;
+2. attends for rows with short queries (decodes, speculative verification) together,
+   with the CPU paged kernel (``worker/paged_attention``: reads each row's blocks in
+   place) when it is built and applies, else by gathering the rows' blocks and one
+   batched ``scaled_dot_product_attention`` (the device-agnostic reference path: the
+   same code runs on CUDA);
+3. attends for long prefill chunks row by row (gather the row's blocks, then SDPA;
+   their cost is in the matmuls anyway).
+
+Sliding windows (Mistral, Qwen2, Gemma's local layers) and logit soft-capping (Gemma 2)
+come as the attention call's ``sliding_window`` / ``softcap`` arguments and are applied
+on every path. Features the paged path does not implement are refused when the model
+loads (``check_attention_features``), never silently ignored.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,52 +37,60 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-ATTENTION_NAME = "raydecode_rows"
-#: Queries up to this many tokens per row join the batched (padded) attention call.
+ATTENTION_NAME = "raydecode_paged"
+#: Queries up to this many tokens per row join the batched attention call.
 BATCHED_QUERY_MAX = 16
 
+#: Config attributes of attention behaviours the paged path does not implement.
+UNSUPPORTED_CONFIG = {
+    "attention_chunk_size": "chunked local attention (Llama 4)",
+    "use_bidirectional_attention": "bidirectional attention",
+    "alibi": "ALiBi position biases",
+}
+#: Attention-call arguments that change the result and that the paged path does not
+#: implement (seen in the load-time probe).
+UNSUPPORTED_ARGUMENTS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "additive position biases",
+}
 
-class RowKVCache:
-    """Key/value storage for ``num_rows`` rows of up to ``max_len`` tokens each."""
+
+class UnsupportedAttention(ValueError):
+    """The model needs an attention feature the paged path does not implement."""
+
+
+class PagedKVCache:
+    """Key/value storage: ``num_blocks`` blocks of ``block_size`` slots per layer."""
 
     def __init__(
         self,
         num_layers: int,
-        num_rows: int,
+        num_blocks: int,
+        block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        max_len: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_rows = num_rows
-        self.max_len = max_len
-        shape = (num_rows, num_kv_heads, max_len, head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.keys = [_lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.values = [_lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * block_size * torch.empty(0, dtype=dtype).element_size()
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Slot ``dst`` takes the first ``length`` positions of slot ``src``."""
-        if length:
-            for cache in (*self.keys, *self.values):
-                cache[dst, :, :length] = cache[src, :, :length]
-
-    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
-        n = max(length_a, length_b)
-        if n:
-            for cache in (*self.keys, *self.values):
-                tmp = cache[a, :, :n].clone()
-                cache[a, :, :n] = cache[b, :, :n]
-                cache[b, :, :n] = tmp
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on CPU from calloc'd memory, so the OS commits pages only as rows fill
-    (a cache sized for long requests costs what the requests actually use)."""
+    """Zeros; on CPU from calloc'd memory, so the OS commits pages only as blocks are
+    first used (a pool sized for long requests costs what the requests touch)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -81,85 +104,86 @@ class PrefillChunk:
     start: int  # first packed token index
     num_tokens: int
     kv_len: int  # cached tokens after this chunk
-    mask: torch.Tensor | None  # [num_tokens, kv_len] bool (True = attend); None = plain causal
+    block_ids: torch.Tensor  # [blocks] the row's blocks covering kv_len
 
 
 @dataclass
 class AttentionPlan:
-    """How one step's packed tokens map onto rows and cache positions (shared by all
+    """How one step's packed tokens map onto rows, blocks and slots (shared by all
     layers of one forward)."""
 
-    cache: RowKVCache
+    cache: PagedKVCache
     # The packing, on the host: row i's tokens start at starts[i] of the sequence.
     starts: np.ndarray  # [rows]
     host_token_rows: np.ndarray  # [T]
     host_token_positions: np.ndarray  # [T]
-    token_rows: torch.Tensor  # [T] row of each packed token
     token_positions: torch.Tensor  # [T] position of each packed token in its row
+    slot_blocks: torch.Tensor  # [T] the block each packed token's key/value goes to
+    slot_offsets: torch.Tensor  # [T] and the slot in it
     # Rows with short queries, attended together.
-    batched_rows: torch.Tensor | None  # [B] rows; None when they are exactly 0..B-1
     num_batched: int
     batched_index: torch.Tensor  # [B, Q] packed index of each query (pads point at 0)
     batched_valid: torch.Tensor  # [B * Q] bool, real queries
-    batched_mask: torch.Tensor  # [B, 1, Q, L] bool (True = attend)
-    batched_kv_len: int
-    batched_query_len: int
+    batched_block_table: torch.Tensor  # [B, max blocks] int32 (pads point at block 0)
+    batched_kv_lens: torch.Tensor  # [B] int32 tokens each row attends to (this step's included)
+    batched_query_lens: torch.Tensor  # [B] int32
+    host_batched_kv_lens: np.ndarray
+    host_batched_query_lens: np.ndarray
+    batched_query_len: int  # Q: the longest query
     prefill: list[PrefillChunk]
 
     @classmethod
     def build(
         cls,
-        cache: RowKVCache,
+        cache: PagedKVCache,
         rows: np.ndarray,
         num_computed: np.ndarray,
         num_tokens: np.ndarray,
+        block_table: np.ndarray,
         device: torch.device,
     ) -> "AttentionPlan":
         """``rows[i]`` runs ``num_tokens[i]`` tokens after ``num_computed[i]`` cached
-        ones; the packed sequence holds row ``rows[0]``'s tokens first, and so on."""
+        ones, through its blocks ``block_table[rows[i]]``; the packed sequence holds row
+        ``rows[0]``'s tokens first, and so on."""
+        bs = cache.block_size
         starts = (np.cumsum(num_tokens) - num_tokens).astype(np.int64)
         token_rows = np.repeat(rows, num_tokens)
         token_positions = concat_ranges(num_computed, num_tokens)
+        slot_blocks = block_table[token_rows, token_positions // bs]
         short = num_tokens <= BATCHED_QUERY_MAX
         b_rows, b_start, b_n = rows[short], starts[short], num_tokens[short]
         b_kv = num_computed[short] + b_n
         nb = len(b_rows)
         q = int(b_n.max()) if nb else 0
-        kv = int(b_kv.max()) if nb else 0
         qi = np.arange(q)
         index = b_start[:, None] + qi[None, :]
         valid = qi[None, :] < b_n[:, None]
         index = np.where(valid, index, 0)
-        # Query j of a row sits at position kv_len - n + j and sees keys up to there.
-        last_visible = (b_kv - b_n)[:, None] + qi[None, :]
-        mask = np.arange(kv)[None, None, :] <= last_visible[:, :, None]
-        if nb:
-            mask[~valid] = False
-            mask[~valid, 0] = True  # padding queries attend somewhere (no NaNs), then dropped
-        contiguous = nb > 0 and bool((b_rows == np.arange(nb)).all())
+        max_blocks = -(-int(b_kv.max()) // bs) if nb else 0
+        b_table = block_table[b_rows, :max_blocks] if nb else np.zeros((0, 0), np.int32)
         prefill = []
         for r, s, n, c in zip(rows[~short], starts[~short], num_tokens[~short], num_computed[~short]):
             kv_len = int(c + n)
-            chunk_mask = None
-            if c:
-                chunk_mask = torch.from_numpy(
-                    np.arange(kv_len)[None, :] <= (c + np.arange(n))[:, None]
-                ).to(device)
-            prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, chunk_mask))
+            ids = torch.from_numpy(np.ascontiguousarray(block_table[r, : -(-kv_len // bs)], dtype=np.int64)).to(device)
+            prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, ids))
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
         return cls(
             cache=cache,
             starts=starts,
             host_token_rows=token_rows,
             host_token_positions=token_positions,
-            token_rows=as_long(token_rows),
             token_positions=as_long(token_positions),
-            batched_rows=None if contiguous or nb == 0 else as_long(b_rows),
+            slot_blocks=as_long(slot_blocks),
+            slot_offsets=as_long(token_positions % bs),
             num_batched=nb,
             batched_index=as_long(index),
             batched_valid=torch.from_numpy(valid.reshape(-1)).to(device),
-            batched_mask=torch.from_numpy(mask[:, None]).to(device),
-            batched_kv_len=kv,
+            batched_block_table=as_int(b_table),
+            batched_kv_lens=as_int(b_kv),
+            batched_query_lens=as_int(b_n),
+            host_batched_kv_lens=b_kv,
+            host_batched_query_lens=b_n,
             batched_query_len=q,
             prefill=prefill,
         )
@@ -172,7 +196,46 @@ def concat_ranges(first: np.ndarray, width: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(first, dtype=np.int64), width) + offsets
 
 
-def row_attention(
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``[..., blocks]`` block ids -> ``[..., kv_heads, blocks * block_size, head_dim]``:
+    the rows' keys (or values) in position order, copied out of the pool."""
+    lead = block_ids.shape[:-1]
+    nb = block_ids.shape[-1]
+    _, heads, bs, dim = pool.shape
+    picked = pool.index_select(0, block_ids.reshape(-1).long()).view(*lead, nb, heads, bs, dim)
+    return picked.transpose(-4, -3).reshape(*lead, heads, nb * bs, dim)
+
+
+def visible(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """``[..., Q, kv_len]`` bool: key j is visible from a query at position ``q_pos``
+    (causal, and within the sliding window: ``j > q_pos - window``, transformers'
+    rule)."""
+    kv = torch.arange(kv_len, device=q_pos.device)
+    mask = kv <= q_pos.unsqueeze(-1)
+    if window:
+        mask &= kv > (q_pos.unsqueeze(-1) - window)
+    return mask
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """``q [B, kv_heads, G*Q, D]`` against ``k, v [B, kv_heads, L, D]`` under ``mask``
+    (broadcastable to ``[B, 1|kv_heads, G*Q, L]``): SDPA, or the written-out math when
+    scores are soft-capped (``softcap * tanh(s / softcap)``, Gemma 2)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
+
+#: The CPU paged kernel, once built (worker.paged_attention sets it; None: torch path).
+cpu_kernel = None
+
+
+def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -181,51 +244,92 @@ def row_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     attention_plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """``query`` ``[1, heads, T, dim]``, ``key``/``value`` ``[1, kv_heads, T, dim]`` for the
-    step's packed tokens; returns ``[1, T, heads, dim]``."""
+    """``query`` ``[1, heads, T, dim]``, ``key``/``value`` ``[1, kv_heads, T, dim]`` for
+    the step's packed tokens; returns ``[1, T, heads, dim]``."""
     plan = attention_plan
     if plan is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's attention_plan")
+    for name, feature in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttention(f"the model uses {feature} ({name}), which the paged attention does not implement")
     layer = module.layer_idx
-    k_cache, v_cache = plan.cache.keys[layer], plan.cache.values[layer]
-    k_cache[plan.token_rows, :, plan.token_positions] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[plan.token_rows, :, plan.token_positions] = value[0].transpose(0, 1).to(v_cache.dtype)
+    k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
+    k_pool[plan.slot_blocks, :, plan.slot_offsets] = key[0].transpose(0, 1).to(k_pool.dtype)
+    v_pool[plan.slot_blocks, :, plan.slot_offsets] = value[0].transpose(0, 1).to(v_pool.dtype)
 
     heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_pool.shape[1]
     group = heads // kv_heads
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    window = int(sliding_window) if sliding_window else None
     q_all = query[0].transpose(0, 1)  # [T, heads, dim]
     out = query.new_empty(total, heads, dim)
 
     if plan.num_batched:
-        b, q_len, kv_len = plan.num_batched, plan.batched_query_len, plan.batched_kv_len
-        if plan.batched_rows is None:
-            k, v = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
+        b, q_len = plan.num_batched, plan.batched_query_len
+        q = q_all[plan.batched_index].view(b * q_len, heads, dim)
+        kernel = cpu_kernel
+        if kernel is not None and kernel.applies(q, k_pool):
+            o = kernel.run(q, k_pool, v_pool, plan, scale, softcap, window)
         else:
-            k, v = k_cache[plan.batched_rows, :, :kv_len], v_cache[plan.batched_rows, :, :kv_len]
-        # [B, Q, heads, dim] -> [B, kv_heads, group * Q, dim]: a query group shares its
-        # key head, so no key repeat is needed.
-        q = q_all[plan.batched_index].view(b, q_len, kv_heads, group, dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, dim)
-        mask = plan.batched_mask if q_len == 1 else plan.batched_mask.repeat(1, 1, group, 1)
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scaling)
-        o = o.view(b, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(b * q_len, heads, dim)
-        flat_index = plan.batched_index.reshape(-1)[plan.batched_valid]
-        out[flat_index] = o[plan.batched_valid].to(out.dtype)
+            o = _batched_by_gathering(q, k_pool, v_pool, plan, scale, softcap, window)
+        out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
 
     for chunk in plan.prefill:
         s, n = chunk.start, chunk.num_tokens
-        q = q_all[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        k = k_cache[chunk.row, :, : chunk.kv_len].unsqueeze(0)
-        v = v_cache[chunk.row, :, : chunk.kv_len].unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            q.to(k.dtype), k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-            scale=scaling, enable_gqa=group > 1,
-        )
-        out[s : s + n] = o[0].transpose(0, 1).to(out.dtype)
+        q = q_all[s : s + n].transpose(0, 1).reshape(kv_heads, group * n, dim).unsqueeze(0)
+        k = gather_blocks(k_pool, chunk.block_ids)[:, : chunk.kv_len].unsqueeze(0)
+        v = gather_blocks(v_pool, chunk.block_ids)[:, : chunk.kv_len].unsqueeze(0)
+        q_pos = torch.arange(chunk.kv_len - n, chunk.kv_len, device=q.device).repeat(group)
+        if window is None and not softcap and chunk.kv_len == n:
+            o = F.scaled_dot_product_attention(q.view(1, heads, n, dim), k, v, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
+            out[s : s + n] = o[0].transpose(0, 1).to(out.dtype)
+            continue
+        o = attend(q.to(k.dtype), k, v, visible(q_pos, chunk.kv_len, window), scale, softcap)
+        out[s : s + n] = o.view(heads, n, dim).transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(ATTENTION_NAME, row_attention)
+def _batched_by_gathering(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan,
+    scale: float, softcap: float | None, window: int | None,
+) -> torch.Tensor:
+    """The reference path for short-query rows: gather every row's blocks into
+    ``[B, kv_heads, L, D]`` and attend in one call. ``q`` is ``[B * Q, heads, D]``."""
+    b, q_len = plan.num_batched, plan.batched_query_len
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    table = plan.batched_block_table
+    kv_len = int(plan.host_batched_kv_lens.max())
+    k = gather_blocks(k_pool, table)[:, :, :kv_len]
+    v = gather_blocks(v_pool, table)[:, :, :kv_len]
+    # [B, Q, heads, D] -> [B, kv_heads, group * Q, D]: a query group shares its key head.
+    qq = q.view(b, q_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, dim)
+    # Query j of a row sits at position kv_len - q_len + j; padding queries see key 0.
+    q_pos = (plan.batched_kv_lens - plan.batched_query_lens).long().unsqueeze(1) + torch.arange(q_len, device=q.device)
+    valid = plan.batched_valid.view(b, q_len)
+    mask = visible(q_pos, kv_len, window)  # [B, Q, L]
+    mask = torch.where(valid.unsqueeze(-1), mask, torch.arange(kv_len, device=q.device) == 0)
+    mask = mask.unsqueeze(1).repeat(1, 1, group, 1) if q_len > 1 or group == 1 else mask.unsqueeze(1).expand(b, 1, group, kv_len)
+    mask = mask.reshape(b, 1, group * q_len, kv_len)
+    o = attend(qq.to(k.dtype), k, v, mask, scale, softcap)
+    return o.view(b, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(b * q_len, heads, dim)
+
+
+def check_attention_features(config: object) -> None:
+    """Refuses, naming the feature, a model config that asks for an attention
+    behaviour the paged path does not implement."""
+    configs = [config] + [getattr(config, name) for name in ("text_config",) if getattr(config, name, None) is not None]
+    for cfg in configs:
+        for attr, feature in UNSUPPORTED_CONFIG.items():
+            if getattr(cfg, attr, None):
+                raise UnsupportedAttention(f"the model uses {feature} ({attr}), which the paged attention does not implement")
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

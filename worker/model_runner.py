@@ -9,6 +9,7 @@ flat arrays.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -22,7 +23,14 @@ from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 from worker.input_batch import NO_LOGPROBS, InputBatch
 from worker.cpu_linear import pack_linear_layers
-from worker.kv_cache import ATTENTION_NAME, AttentionPlan, RowKVCache, concat_ranges
+from worker.kv_cache import (
+    ATTENTION_NAME,
+    AttentionPlan,
+    PagedKVCache,
+    UnsupportedAttention,
+    check_attention_features,
+    concat_ranges,
+)
 from worker.model_loader import LoadedModel, ModelLoadError, load_model
 from worker.ngram_proposer import NgramProposer
 from worker.protocol import (
@@ -36,6 +44,8 @@ from worker.protocol import (
     WorkerConfig,
     WorkerInfo,
 )
+
+logger = logging.getLogger("raydecode")
 
 UNSATISFIABLE = "no token is allowed: the request's constraints (allowed_token_ids, bad_words, logit_bias, ...) ban every token"
 NONFINITE = "the logits became NaN or infinite under this request's parameters (or the model produced them)"
@@ -57,24 +67,24 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_packed_linear:
             self.num_packed_linear = pack_linear_layers(self.model)
         hf = self.model.config
-        window = getattr(hf, "sliding_window", None)
-        max_len = loaded.max_model_len
-        if window and getattr(hf, "use_sliding_window", True):
-            max_len = min(max_len, int(window))  # within the window, attention is full
-        self.max_model_len = max_len
+        try:
+            check_attention_features(hf)
+        except UnsupportedAttention as exc:
+            raise ModelLoadError(f"{loaded.name}: {exc}") from None
+        self.max_model_len = max_len = loaded.max_model_len
         layers = hf.num_hidden_layers
         heads = hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        per_row = RowKVCache.bytes_per_token(layers, kv_heads, head_dim, loaded.dtype) * max_len
-        budget = config.kv_cache_memory_bytes or _default_kv_budget(self.device)
-        rows = min(config.max_num_seqs, budget // per_row)
-        if rows < 1:
-            raise ModelLoadError(
-                f"kv_cache_memory_bytes {budget} holds no row of max_model_len {max_len} "
-                f"({per_row} bytes per row): raise the budget or lower max_model_len"
-            )
-        self.kv = RowKVCache(layers, rows, kv_heads, head_dim, max_len, loaded.dtype, self.device)
+        rows = config.max_num_seqs
+        bs = config.kv_block_size
+        per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, loaded.dtype)
+        num_blocks = self._num_kv_blocks(config, per_block, rows, max_len, loaded)
+        self.kv = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, loaded.dtype, self.device)
+        logger.warning(
+            "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs,
+            num_blocks * per_block / 2**30,
+        )
         self.sampler_config = SamplerConfig(
             vocab_size=loaded.vocab_size, max_num_seqs=rows,
             num_spec_tokens=config.num_spec_tokens, max_logprobs=config.max_logprobs,
@@ -98,9 +108,42 @@ class ModelRunner:
         self.info = WorkerInfo(
             model_name=loaded.name, device=str(self.device), dtype=str(loaded.dtype).removeprefix("torch."),
             vocab_size=loaded.vocab_size, eos_token_ids=loaded.eos_token_ids,
-            max_model_len=max_len, max_num_seqs=rows, kv_cache_bytes=per_row * rows,
-            num_spec_tokens=config.num_spec_tokens,
+            max_model_len=max_len, max_num_seqs=rows, kv_cache_bytes=num_blocks * per_block,
+            num_spec_tokens=config.num_spec_tokens, num_kv_blocks=num_blocks, kv_block_size=bs,
         )
+        self._probe_attention()
+
+    @staticmethod
+    def _num_kv_blocks(config: WorkerConfig, per_block: int, rows: int, max_len: int, loaded: LoadedModel) -> int:
+        """The pool's size: ``kv_cache_tokens`` when given; else what the memory
+        budget holds, at most enough for every row at ``max_model_len`` (and its drafts)."""
+        bs = config.kv_block_size
+        if config.kv_cache_tokens is not None:
+            return -(-config.kv_cache_tokens // bs)
+        budget = config.kv_cache_memory_bytes or _default_kv_budget(loaded.device, config.gpu_memory_utilization)
+        blocks = min(budget // per_block, rows * -(-(max_len + config.num_spec_tokens) // bs))
+        if blocks < 1:
+            raise ModelLoadError(
+                f"a KV budget of {budget} bytes holds no block of {bs} tokens ({per_block} bytes): "
+                "raise kv_cache_memory_bytes (or gpu_memory_utilization), or set kv_cache_tokens"
+            )
+        return int(blocks)
+
+    def _probe_attention(self) -> None:
+        """One token through the model at load: an attention feature the paged path
+        does not implement is refused now, naming it, not met on a request."""
+        plan = AttentionPlan.build(
+            self.kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device
+        )
+        try:
+            with torch.inference_mode():
+                self.model(
+                    input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                    position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                    use_cache=False, logits_to_keep=1, attention_plan=plan,
+                )
+        except UnsupportedAttention as exc:
+            raise ModelLoadError(f"{self.loaded.name}: {exc}") from None
 
     # -- one step ---------------------------------------------------------------------
 
@@ -136,7 +179,7 @@ class ModelRunner:
         num_drafts = self._propose_drafts(rows, count, samples)
         count += num_drafts
 
-        plan = AttentionPlan.build(self.kv, rows, computed, count, self.device)
+        plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device)
         starts = plan.starts
         input_ids = batch.token_ids[plan.host_token_rows, plan.host_token_positions]
         input_ids = torch.from_numpy(input_ids).to(self.device)
@@ -217,7 +260,8 @@ class ModelRunner:
             row = int(rows[i])
             req = batch.requests[row]
             known = int(batch.num_tokens[row])
-            limit = self.max_model_len - known - 1
+            # Drafts fit the row's blocks (the driver gave it room for num_spec_tokens).
+            limit = min(self.max_model_len - 1, int(batch.num_blocks[row]) * batch.block_size) - known
             if req.params.max_tokens is not None:
                 limit = min(limit, req.params.max_tokens - len(req.output_token_ids) - 1)
             drafts = self.proposer.propose(batch.token_ids[row, :known], limit)
@@ -330,7 +374,7 @@ class ModelRunner:
         thinking = None
         if self.reasoning is not None:
             thinking = ThinkingBudgetStateHolder(
-                self.reasoning, self.kv.num_rows, self.config.num_spec_tokens, self.device, False
+                self.reasoning, self.config.max_num_seqs, self.config.num_spec_tokens, self.device, False
             )
         return InputBatch(
             self.sampler_config, self.max_model_len, self.device, logitsprocs, thinking, self.kv
@@ -341,13 +385,16 @@ class ModelRunner:
         self.batch = self._new_batch()
 
     def memory(self) -> dict[str, int]:
-        used_tokens = int(self.batch.num_computed[: self.batch.batch_size].sum())
+        n = self.batch.batch_size
+        held = np.unique(np.concatenate([self.batch.block_table[r, : self.batch.num_blocks[r]] for r in range(n)] or [np.zeros(0, np.int32)]))
         report = {
             "kv_cache_bytes": self.info.kv_cache_bytes,
-            "kv_cache_rows": self.kv.num_rows,
-            "kv_rows_in_use": self.batch.batch_size,
-            "kv_tokens_in_use": used_tokens,
-            "kv_bytes_in_use": used_tokens * self.info.kv_cache_bytes // (self.kv.num_rows * self.max_model_len),
+            "kv_cache_blocks": self.kv.num_blocks,
+            "kv_block_size": self.kv.block_size,
+            "kv_rows_in_use": n,
+            "kv_tokens_in_use": int(self.batch.num_computed[:n].sum()),
+            "kv_blocks_in_use": int(len(held)),
+            "kv_bytes_in_use": int(len(held)) * self.info.kv_cache_bytes // max(1, self.kv.num_blocks),
         }
         try:
             import psutil
@@ -361,10 +408,15 @@ class ModelRunner:
         return report
 
 
-def _default_kv_budget(device: torch.device) -> int:
+def _default_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
+    """CUDA: what ``gpu_memory_utilization`` of the GPU leaves after the model (and a
+    reserve for activations); CPU: a quarter of RAM (the driver normally sends each
+    worker its share of its node instead)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.5)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        reserve = min(2 * 2**30, int(total * 0.05))
+        return max(0, int(total * gpu_memory_utilization) - used - reserve)
     try:
         import psutil
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from sampler.params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -83,8 +83,15 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     dtype: str | None = None  # None/auto: float32 on CPU, bf16/fp16 on CUDA
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
     max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    #: KV-cache budget in bytes; None: a quarter of RAM (CPU) or of free GPU memory.
+    #: tokens per KV block
+    kv_block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    #: the KV pool in tokens (overrides the memory-based size)
+    kv_cache_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: KV-cache budget in bytes; None: on CUDA from ``gpu_memory_utilization``, on CPU a
+    #: quarter of RAM (the driver normally sends the worker's share of its node)
     kv_cache_memory_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: CUDA: the share of the GPU's memory this worker may use (model, activations, KV)
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     num_spec_tokens: NonNegative = 0  # n-gram drafts per decode step; 0: off
     ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 1
     ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
@@ -110,9 +117,11 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     vocab_size: int
     eos_token_ids: list[int]
     max_model_len: int
-    max_num_seqs: int  # rows the KV budget allows (<= the configured max_num_seqs)
+    max_num_seqs: int  # rows of the persistent batch
     kv_cache_bytes: int
     num_spec_tokens: int
+    num_kv_blocks: int = 0  # the KV pool: blocks of kv_block_size tokens
+    kv_block_size: int = 16
 
 
 # -- driver -> worker ------------------------------------------------------------------
@@ -130,6 +139,9 @@ class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
     #: uniforms a seeded request has drawn so far (one per sampled token, two more per
     #: verified draft); None: one per output token (exact without drafts)
     num_generator_draws: NonNegative | None = None
+    #: leading tokens whose KV is already in the blocks it arrives with (a prefix-cache
+    #: hit, a whole number of blocks); it computes from there
+    num_computed_tokens: NonNegative = 0
 
 
 class MovedRows(msgspec.Struct, array_like=True, frozen=True):
@@ -145,9 +157,12 @@ class StepRequest(msgspec.Struct, kw_only=True, frozen=True, tag="step"):
 
     Changes apply in order: ``removed``, ``added`` (into the given rows; a row freed this
     step may be refilled), ``moved`` in list order; afterwards rows
-    ``0..batch_size-1`` all hold requests. ``num_scheduled_tokens[row]`` is how many of
-    the row's known tokens (prompt, then output) to run this step: a prefill chunk, 1 for
-    a decode, 0 to skip the row. A row samples when its chunk reaches its last known token.
+    ``0..batch_size-1`` all hold requests. Then row ``r`` appends ``num_new_blocks[r]``
+    KV blocks (the next ones of ``new_block_ids``) to its block table; an added row
+    arrives with none and gets all of its blocks here (its cached prefix first).
+    ``num_scheduled_tokens[row]`` is how many of the row's known tokens (prompt, then
+    output) to run this step: a prefill chunk, 1 for a decode, 0 to skip the row. A row
+    samples when its chunk reaches its last known token.
     """
 
     version: int
@@ -157,6 +172,8 @@ class StepRequest(msgspec.Struct, kw_only=True, frozen=True, tag="step"):
     added: list[AddedRequest] = []
     moved: list[MovedRows] = []
     num_scheduled_tokens: Int32Array = EMPTY_I32
+    num_new_blocks: Int32Array = EMPTY_I32  # per row, batch_size entries (or none)
+    new_block_ids: Int32Array = EMPTY_I32
 
 
 # -- worker -> driver ------------------------------------------------------------------
