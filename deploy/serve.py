@@ -17,6 +17,7 @@ arguments are ``ServerArgs``. Logits processors are named only here, in ``engine
 
 
 import asyncio
+import hmac
 import json
 import os
 import time
@@ -208,7 +209,8 @@ class OpenAIServer:
 
     def _check_key(self, raw: Request) -> None:
         if self.args.api_key is not None:
-            if raw.headers.get("authorization", "") != f"Bearer {self.args.api_key}":
+            given = raw.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):  # constant time
                 raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
     def _check_model(self, model: str | None) -> None:
