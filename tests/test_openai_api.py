@@ -8,6 +8,7 @@ in streams, text offsets across chunks, and ``/metrics``."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -106,6 +107,20 @@ def test_sdk_and_unknown_fields_are_accepted_and_ignored(client):
         extra_body={"ignore_eos": True, "unknown": 1, "tool_choice": "none"}, **kw)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == plain.choices[0].message.content
+
+
+def test_unknown_fields_are_logged_once_at_debug(caplog, monkeypatch):
+    from deploy.openai import protocol
+
+    monkeypatch.setattr(protocol, "_LOGGED_IGNORED", set())
+    monkeypatch.setattr(protocol, "_MAX_LOGGED_IGNORED", 3)
+    with caplog.at_level(logging.DEBUG, logger="raydecode"):
+        for _ in range(2):
+            protocol.CompletionRequest.model_validate({"prompt": "x", "frobnicate": 1, "store": True})
+        protocol.CompletionRequest.model_validate({"prompt": "x", "third": 1, "fourth": 2, "fifth": 3})
+    logged = [r.getMessage() for r in caplog.records if "ignoring unknown request fields" in r.getMessage()]
+    assert len(logged) == 2 and "frobnicate" in logged[0] and "store" in logged[0]
+    assert protocol._LOGGED_IGNORED == {"frobnicate", "store", "third"}  # bounded: a client can invent names
 
 
 UNSUPPORTED = [
@@ -220,8 +235,11 @@ def test_echo_returns_the_prompt_then_the_completion(server, ref):
         assert echoed["usage"] == plain["usage"]
 
 
-def test_echo_with_logprobs_puts_the_prompt_logprobs_first(server, ref):
+def test_echo_with_logprobs_puts_the_prompt_logprobs_first(server, ref, client):
     prompt = ref.tokenizer.encode(PROMPT)
+    sdk = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1).choices[0]
+    assert sdk.text == PROMPT and len(sdk.logprobs.tokens) == len(prompt)
+    assert sdk.logprobs.token_logprobs[0] is None and sdk.logprobs.top_logprobs[0] is None
     body = completion(server, prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True, echo=True, logprobs=2,
                       return_token_ids=True)
     choice = body["choices"][0]
@@ -425,6 +443,11 @@ def test_continuous_usage_stats_on_every_chunk(server):
     assert counts == sorted(counts) and counts[-1] == 5
     assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] > 0 for c in content)
     assert final["usage"]["completion_tokens"] == 5
+
+    sdk = list(openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model="tiny", messages=chat["messages"], max_tokens=5, temperature=0, stream=True, stream_options=options,
+        extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in sdk) and sdk[-1].usage.completion_tokens == 5
 
     plain = sse(server, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
     assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 5

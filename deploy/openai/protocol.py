@@ -386,11 +386,7 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    # accepted as OpenAI's SDK sends them; nothing to do without tools or a store
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None  # vLLM's field; nothing to do without tools
 
     def unsupported(self) -> Iterator[RequestError]:
         yield from super().unsupported()
