@@ -14,6 +14,7 @@ class EngineConfig:
     model: str | None = None
     #: Ray address; None: the running Ray of this process, else a new local one
     address: str | None = None
+    #: data-parallel worker actors, each a whole model replica fed from one queue
     num_workers: int = 1
     #: rows per worker (the worker may allow fewer when its KV budget is smaller)
     max_num_seqs: int = 64
@@ -21,6 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     #: the longest prefill chunk one request may take in a step; None: the step budget
     long_prefill_token_threshold: int | None = None
+    #: longest prompt + output in tokens; None: the model's own limit
     max_model_len: int | None = None
     #: each worker's KV pool in tokens (a whole number of ``kv_block_size`` blocks);
     #: overrides the memory-based size. None: what the memory budget below holds, at
@@ -45,19 +47,30 @@ class EngineConfig:
     decodes_first: bool = False
     #: "fcfs" or "priority" (lower value first, vLLM's convention)
     scheduling_policy: str = "fcfs"
+    #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
     num_spec_tokens: int = 0
+    #: the most logprobs / prompt_logprobs a request may ask per token; -1: no limit
     max_logprobs: int = 20
+    #: custom logits processors, as "module:Qualname" (server configuration only)
     logits_processors: list[str] = field(default_factory=list)
+    #: text of the token that opens a reasoning section (thinking_token_budget)
     reasoning_start: str | None = None
+    #: text of the token that closes a reasoning section (thinking_token_budget)
     reasoning_end: str | None = None
+    #: torch device of the workers ("cpu", "cuda", ...); None: cuda when a worker has a
+    #: GPU, else cpu
     device: str | None = None
+    #: model dtype: auto, float32, float16 or bfloat16; None (auto): float32 on CPU,
+    #: bfloat16/float16 on CUDA
     dtype: str | None = None
+    #: seed of the random stream that requests without a seed of their own draw from
     seed: int = 0
+    #: let transformers run the model repository's own code
     trust_remote_code: bool = False
-    #: Ray resources per worker actor. None: one GPU each when the cluster has GPUs,
-    #: and one CPU (a scheduling token, not a thread cap: a second engine or a
-    #: replacement worker always has room)
+    #: Ray CPUs per worker actor. None: one CPU (a scheduling token, not a thread cap:
+    #: a second engine or a replacement worker always has room)
     worker_num_cpus: float | None = None
+    #: Ray GPUs per worker actor. None: one GPU each when the cluster has GPUs
     worker_num_gpus: float | None = None
     #: custom resources each worker requires (places workers on the nodes that offer them)
     worker_resources: dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from cluster.config import EngineConfig
 from cluster.inputs import PromptBudget, PromptType, tokenize_prompt
+from cluster.metrics import EngineMetrics, SchedulerStats
 from cluster.output_processor import apply_reply
 from cluster.outputs import RequestOutput
 from cluster.ray_session import RaySession
@@ -124,6 +125,8 @@ class LLMEngine:
         self._order = itertools.count()
         self._pending_outputs: dict[str, Request] = {}
         self.stats = StepStats()
+        #: counters for monitoring (``deploy/metrics.py`` exposes them as vLLM's metrics)
+        self.metrics = EngineMetrics(self.max_model_len)
         #: monotonic time of the last completed (or failed) step, or of being idle
         self.last_progress = time.monotonic()
         self._no_worker_since: float | None = None
@@ -271,8 +274,8 @@ class LLMEngine:
         for seq in request.sequences:
             if seq.finished:
                 self._free(seq)
-        if request.finished:
-            self.requests.pop(request.request_id, None)
+        if request.finished and self.requests.pop(request.request_id, None) is not None:
+            self.metrics.record_finished(request)
 
     def _free(self, seq: Sequence) -> None:
         if seq.row is None:
@@ -347,6 +350,8 @@ class LLMEngine:
             self.stats.schedule += t1 - t0
             for seq in preempted:
                 seq.request.metrics.num_preemptions += 1
+            if preempted:
+                self.metrics.record_preemptions(len(preempted))
             if step is None:
                 continue
             now = time.time()
@@ -392,12 +397,6 @@ class LLMEngine:
             for w in self.workers if w.live
         ]
 
-    def kv_cache_usage(self) -> float:
-        """The share of the live workers' KV blocks held by sequences (0..1)."""
-        live = [w.scheduler.blocks for w in self.workers if w.live]
-        total = sum(b.num_blocks for b in live)
-        return sum(b.num_blocks - b.num_free for b in live) / total if total else 0.0
-
     def _receive(self, slot: WorkerSlot, ready_at: float) -> None:
         ref, step = slot.inflight, slot.step
         slot.inflight, slot.step = None, None
@@ -416,6 +415,7 @@ class LLMEngine:
             reply = self._codec.decode_reply(data)
             t1 = time.perf_counter()
             self.stats.add_worker_step(ready_at - slot.sent_at, reply.timings)
+            before = self.metrics.before_reply(step.rows)
             changed = apply_reply(step, reply)
             slot.scheduler.register_computed(step.rows)  # before finished ones are freed
         except Exception as exc:  # a reply the driver cannot use: a bug on either side
@@ -423,6 +423,10 @@ class LLMEngine:
             self._step_failed(slot, step, f"the reply of step {step.message.step_id} could not be merged: {exc!r}", lost=False)
             return
         self.last_progress = time.monotonic()
+        try:  # monitoring must never cost a step
+            self.metrics.after_reply(step.rows, before, reply)
+        except Exception:
+            logger.exception("metrics of step %d could not be recorded", step.message.step_id)
         for request in changed:
             self._release(request)
             self._pending_outputs[request.request_id] = request
@@ -483,7 +487,24 @@ class LLMEngine:
                 self._fail(request, f"no live worker for {limit:.0f} s (no_worker_timeout_s); "
                                     f"last worker error: {self.pool.last_error}")
 
-    # -- health -------------------------------------------------------------------------
+    # -- load and health ------------------------------------------------------------------
+
+    def kv_cache_usage(self) -> float:
+        """Share of the live workers' KV blocks held by running sequences (vLLM's
+        ``kv_cache_usage_perc``: 1.0 is full). Safe to call from another thread."""
+        total = used = 0
+        for slot in list(self.workers):
+            s = slot.scheduler
+            if s is not None:
+                total += s.kv_blocks
+                used += s.kv_blocks - s.free_blocks
+        return used / total if total else 0.0
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Running and waiting sequences and KV usage now (safe from another thread)."""
+        schedulers = [slot.scheduler for slot in list(self.workers)]
+        running = sum(s.num_running for s in schedulers if s is not None)
+        return SchedulerStats(num_running=running, num_waiting=len(self.waiting), kv_cache_usage=self.kv_cache_usage())
 
     def health(self) -> dict[str, Any]:
         """``healthy`` is False (with ``problems`` saying why) when no worker has been

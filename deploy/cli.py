@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +23,109 @@ line: {"prompt": "..."}, {"prompt_token_ids": [...]} or {"messages": [...]}
 (SamplingParams fields overriding the flags). Writes one JSON object per line."""
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local path, hub id or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--num-workers", type=int, default=1, help="data-parallel worker actors (default: 1)")
-    g.add_argument("--address", default=None, help="Ray address to join (default: a local Ray)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64, help="rows per worker (default: 64)")
+#: vLLM's flag names where vLLM has the same setting under another name (the first is
+#: shown in --help; the others, our own names among them, are aliases). Every other
+#: ``EngineConfig`` field is ``--field-name``, which is vLLM's name where vLLM has it
+#: (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --seed, --dtype, ...).
+FLAG_NAMES = {
+    "num_workers": ["--num-workers", "--data-parallel-size", "-dp"],
+    "kv_block_size": ["--block-size", "--kv-block-size"],
+    "num_spec_tokens": ["--spec-tokens", "--num-spec-tokens"],
+}
+
+
+def config_docs(cls: type | None = None) -> dict[str, str]:
+    """Each config field's ``#:`` doc comment (the lines right above it), by name."""
+    if cls is None:
+        from cluster.config import EngineConfig as cls
+    lines, _ = inspect.getsourcelines(cls)
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#:"):
+            pending.append(text[2:].strip())
+            continue
+        match = re.match(r"([A-Za-z_]\w*)\s*:", text)
+        if match and pending:
+            docs[match.group(1)] = " ".join(pending)
+        pending = []
+    return docs
+
+
+def _json_of(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"expected a JSON {kind.__name__}, got {text!r}")
+        return value
+
+    parse.__name__ = f"JSON {kind.__name__}"
+    return parse
+
+
+class _ListAction(argparse.Action):
+    """A list field: several values (``--logits-processors a:A b:B``, vLLM's form) or
+    one JSON list."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
+        if len(values) == 1 and values[0].lstrip().startswith("["):
+            try:
+                values = _json_of(list)(values[0])
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"{option}: {exc}")
+        setattr(namespace, self.dest, list(values))
+
+
+def _base_type(hint: Any) -> Any:
+    """int, float, str, bool, list or dict for a field's type (``X | None`` -> X)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else str
+    return origin or hint
+
+
+ENGINE_DEST = "engine__"
+
+
+def _engine_flags(p: argparse.ArgumentParser, taken: set[str] = frozenset()) -> None:
+    """One flag per ``EngineConfig`` field, typed from the field and helped by its
+    ``#:`` comment. A name the subcommand already uses for something else gets an
+    ``--engine-`` prefix (``generate --seed`` is the sampling seed; ``--engine-seed``
+    the engine's). Flags not given leave the config's defaults."""
+    from cluster.config import EngineConfig
+
+    g = p.add_argument_group("engine (EngineConfig; dict and list fields take JSON)")
+    hints = typing.get_type_hints(EngineConfig)
+    docs = config_docs(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        names = [n if n not in taken else "--engine-" + n.lstrip("-") for n in
+                 FLAG_NAMES.get(f.name, ["--" + f.name.replace("_", "-")])]
+        kind = _base_type(hints[f.name])
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        doc = docs.get(f.name, "")
+        help_ = f"{doc} (default: {json.dumps(default) if kind in (list, dict) else default})".replace("%", "%%")
+        kw: dict[str, Any] = {"dest": ENGINE_DEST + f.name, "default": argparse.SUPPRESS, "help": help_.strip(),
+                              "metavar": f.name.upper()}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+            del kw["metavar"]
+        elif kind is list:
+            kw.update(action=_ListAction, nargs="+", metavar="VALUE")
+        elif kind is dict:
+            kw.update(type=_json_of(dict), metavar="JSON")
+        else:
+            kw["type"] = kind
+        g.add_argument(*names, **kw)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineConfig`` fields given on the command line."""
+    return {k[len(ENGINE_DEST):]: v for k, v in vars(args).items() if k.startswith(ENGINE_DEST)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,9 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
-    _engine_flags(gen)
+    _engine_flags(gen, taken={"--seed"})
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible endpoint (Ray Serve) until interrupted")
+    srv.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM's `vllm serve MODEL` (or --model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -119,7 +221,7 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from cluster.inputs import render_chat
     from cluster.llm import LLM
 
-    llm = _llm(LLM, args)
+    llm = _llm(LLM, ap, args)
     try:
         prompts = []
         for n, item in enumerate(items, start=1):
@@ -156,13 +258,15 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _llm(cls: Any, args: argparse.Namespace) -> Any:
-    if args.address is None:
+def _llm(cls: Any, ap: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    kwargs = engine_kwargs(args)
+    if kwargs.get("address") is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local Ray
-    kwargs: dict[str, Any] = {"num_workers": args.num_workers, "address": args.address, "max_num_seqs": args.max_num_seqs}
-    if args.max_model_len is not None:
-        kwargs["max_model_len"] = args.max_model_len
-    return cls(args.model, **kwargs)
+    model = kwargs.pop("model", None)
+    try:
+        return cls(model, **kwargs)
+    except (ValueError, TypeError) as exc:  # EngineConfig refused a value
+        ap.error(f"engine configuration: {exc}")
 
 
 # -- serve ----------------------------------------------------------------------------
@@ -171,22 +275,31 @@ def _llm(cls: Any, args: argparse.Namespace) -> Any:
 def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
+    engine = engine_kwargs(args)
+    if args.model_tag is not None:
+        if engine.get("model") not in (None, args.model_tag):
+            ap.error(f"two models given: {args.model_tag} and --model {engine['model']}")
+        engine["model"] = args.model_tag
+    try:
+        from cluster.config import EngineConfig
+
+        EngineConfig(**engine)  # refuse bad values here, not in a replica
+    except (ValueError, TypeError) as exc:
+        ap.error(f"engine configuration: {exc}")
     from ray import serve
 
     from cluster.ray_session import RaySession
     from deploy.serve import build_app
 
-    if args.address is None:
+    address = engine.pop("address", None)  # the replica runs inside that cluster already
+    if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    engine: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
-    if args.max_model_len is not None:
-        engine["max_model_len"] = args.max_model_len
     app = build_app({
-        "model": args.model, "served_model_name": args.served_model_name, "num_workers": args.num_workers,
-        "api_key": args.api_key, "engine": engine,
+        "model": engine.pop("model", None), "num_workers": engine.pop("num_workers", 1),
+        "served_model_name": args.served_model_name, "api_key": args.api_key, "engine": engine,
         "chat_template": args.chat_template.read_text() if args.chat_template else None,
     })
-    session = RaySession.connect(args.address)
+    session = RaySession.connect(address)
     # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.
     # Set after Ray starts: Ray's core installs its own SIGTERM handler, which aborts.
     signal.signal(signal.SIGTERM, _interrupt)

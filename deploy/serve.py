@@ -1,11 +1,14 @@
-"""The Ray Serve application: an OpenAI-compatible HTTP API over ``AsyncLLM``.
+"""The Ray Serve application: vLLM's OpenAI-compatible HTTP API over ``AsyncLLM``.
 
-Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``
-answers with server-sent events), ``GET /v1/models``, ``GET /health``. Bad requests get
-HTTP 400 with an OpenAI error object, an unknown model 404, a wrong API key 401; when the
-replica has ``max_ongoing_requests`` in flight and ``max_queued_requests`` waiting,
-Serve itself answers 503 with ``Retry-After`` (its backpressure), so queues stay bounded.
-A client that disconnects cancels its handler, which aborts the request in the engine.
+Routes (vLLM's): ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(``stream: true`` answers with server-sent events), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /metrics`` (Prometheus text, vLLM's metric names), ``GET /health``. Bad requests
+get HTTP 400 with an OpenAI error object naming the field, an unknown model 404, a
+wrong API key 401 (the key guards ``/v1/*``, as vLLM's does); when the replica has
+``max_ongoing_requests`` in flight and ``max_queued_requests`` waiting, Serve itself
+answers 503 with ``Retry-After`` (its backpressure), so queues stay bounded. A client
+that disconnects cancels its handler, which aborts the request in the engine.
 
 Build it with ``build_app({...})`` (``serve.run(build_app({"model": ...}))``) or from a
 Serve config (``deploy/serve.yaml``: ``import_path: deploy.serve:build_app``); the
@@ -14,35 +17,44 @@ arguments are ``ServerArgs``. Logits processors are named only here, in ``engine
 
 
 import asyncio
+import hmac
 import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from importlib import metadata
 from typing import Any
 
 import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.outputs import RequestOutput
+from deploy.metrics import metrics_registry
 from deploy.openai.protocol import (
+    ChatChunks,
     ChatCompletionRequest,
+    CompletionChoices,
     CompletionRequest,
-    chat_chunk,
-    chat_delta_choice,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+    TokenText,
     chat_response,
-    completion_chunk,
+    completion_chunks,
     completion_response,
     error_body,
     new_id,
 )
-from cluster.outputs import RequestOutput
+from sampler.params import check_text
 
 
 class ServerArgs(BaseModel):
@@ -64,10 +76,28 @@ class ServerArgs(BaseModel):
     retry_after_s: float = 1.0
 
 
+def _version() -> str:
+    try:
+        return metadata.version("raydecode")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def bad_request(exc: Exception) -> APIError:
+    """A 400 for a ``ValueError`` (``RequestError`` names its field) or a pydantic
+    ``ValidationError``."""
+    if isinstance(exc, ValidationError) and exc.errors():
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return APIError(400, f"{where}: {message}" if where else message, "BadRequestError", where or None)
+    return APIError(400, str(exc), "BadRequestError", getattr(exc, "param", None))
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -98,22 +128,6 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 def _sse(payload: Any) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_unset=True)
     return f"data: {data}\n\n"
-
-
-class _StreamUsage:
-    """Token counts over a stream of delta outputs."""
-
-    def __init__(self) -> None:
-        self.prompt: dict[str, int] = {}
-        self.completion = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.prompt[out.request_id] = len(out.prompt_token_ids)
-        self.completion += sum(len(c.token_ids) for c in out.outputs)
-
-    def as_dict(self) -> dict[str, int]:
-        prompt = sum(self.prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
 
 
 async def _run_all(awaitables: list[Any]) -> list[Any]:
@@ -179,6 +193,7 @@ class OpenAIServer:
         self.llm = AsyncLLM(self.args.model, num_workers=self.args.num_workers, **self.args.engine)
         self.model_name = self.args.served_model_name or self.llm.engine.model_name
         self.created = int(time.time())
+        self.registry = metrics_registry(self.llm.engine, self.model_name)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop stopped or is
@@ -188,29 +203,77 @@ class OpenAIServer:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _check(self, raw: Request, model: str | None) -> None:
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    def _check_key(self, raw: Request) -> None:
         if self.args.api_key is not None:
-            if raw.headers.get("authorization", "") != f"Bearer {self.args.api_key}":
+            given = raw.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):  # constant time
                 raise APIError(401, "invalid or missing API key", "AuthenticationError")
+
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    async def _requests(self, prompts: list[Any], params: Any, rid: str, priority: int) -> list[Any]:
+    def _check(self, raw: Request, model: str | None) -> None:
+        self._check_key(raw)
+        self._check_model(model)
+
+    def _token_text(self, body: SamplingFields) -> TokenText:
+        tokenizer = self.tokenizer
+        return TokenText(lambda t: tokenizer.decode([t]), bool(body.return_tokens_as_token_ids))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Text to token ids within the prompt size bound (on the input thread)."""
+        check_text("prompt", text)
+        self.llm.engine.prompt_budget.check_chars("prompt", len(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) if text else []
+
+    def _shape_prompt(self, prompt: Any, body: SamplingFields) -> Any:
+        """A prompt as ``body`` asks: tokenized with or without special tokens, and cut
+        to ``truncate_prompt_tokens`` (vLLM: the last ones, or the first with
+        ``truncation_side: right``; -1 is max_model_len). Runs on the input thread."""
+        add_special = body.add_special_tokens_or_default()
+        truncate = body.truncate_prompt_tokens
+        if isinstance(prompt, dict):  # a rendered conversation
+            text, ids = prompt["prompt"], prompt["prompt_token_ids"]
+            if add_special:
+                ids = self._encode(text, True)
+        elif isinstance(prompt, str):
+            if add_special and truncate is None:
+                return prompt  # the engine tokenizes it exactly so
+            text, ids = prompt, self._encode(prompt, add_special)
+        else:
+            text, ids = None, list(prompt)
+        if truncate is not None:
+            keep = self.llm.engine.max_model_len if truncate == -1 else truncate
+            if len(ids) > keep:
+                ids = ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep:]
+                text = None  # the text no longer matches; echo decodes the ids
+        return {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+
+    async def _requests(self, prompts: list[Any], params: Any, priority: int) -> list[Any]:
         """Every prompt validated and tokenized (off the event loop) before any is
         queued: a bad one is a 400 naming it, and nothing was started."""
         engine = self.llm.engine
+        if params.thinking_token_budget is not None and not engine.config.reasoning_start:
+            raise APIError(400, "thinking_token_budget: this server has no reasoning markers (start it with "
+                                "--reasoning-start and --reasoning-end)", "BadRequestError", "thinking_token_budget")
         n = getattr(params, "n", 1)
         if len(prompts) * n > engine.config.max_sequences_per_request:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than the server's "
                                 f"max_sequences_per_request={engine.config.max_sequences_per_request}",
                            "BadRequestError", "prompt")
+        rid = new_id("req")  # engine ids are ours alone, whatever id the client gave
         requests = []
         for i, prompt in enumerate(prompts):
             try:
                 requests.append(await self.llm.make_request(prompt, params, f"{rid}-{i}", priority=priority))
             except ValueError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                raise APIError(400, f"{where}{exc}", "BadRequestError") from None
+                raise APIError(400, f"{where}{exc}", "BadRequestError", getattr(exc, "param", None)) from None
             except EngineDeadError as exc:
                 raise APIError(503, str(exc), "ServiceUnavailableError") from None
         return requests
@@ -232,7 +295,34 @@ class OpenAIServer:
             pass
         return out
 
-    # -- routes -------------------------------------------------------------------------
+    async def _events(self, rid: str, kind: str, body: SamplingFields, streams: list,
+                      chunks_of: Callable[[int, RequestOutput], list[Any]], total_usage: Callable[[], Any]) -> AsyncIterator[str]:
+        """Server-sent events: the chunks of each output, the usage chunk when asked
+        for, an error object if the request failed midway, then ``[DONE]``."""
+        include_usage, _ = body.usage_options()
+        try:
+            async for index, out in _merge(streams):
+                for chunk in chunks_of(index, out):
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+                                       "choices": [], "usage": total_usage().model_dump()}))
+        except APIError as exc:
+            yield _sse(json.dumps(error_body(exc.message, exc.kind, exc.status, exc.param)))
+        yield "data: [DONE]\n\n"
+
+    def _card(self) -> dict[str, Any]:
+        card = Model(id=self.model_name, object="model", created=self.created, owned_by="raydecode")
+        return card.model_dump(exclude_none=True) | {
+            "root": self.llm.engine.config.model or self.llm.engine.model_name, "parent": None,
+            "max_model_len": self.llm.engine.max_model_len,
+            "permission": [{"id": f"modelperm-{self.created}", "object": "model_permission", "created": self.created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}],
+        }
+
+    # -- routes: service ----------------------------------------------------------------
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -247,12 +337,66 @@ class OpenAIServer:
                 "rss_bytes": psutil.Process().memory_info().rss}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: vLLM's metric names, types, labels and buckets."""
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:
-        self._check(raw, None)
-        card = Model(id=self.model_name, object="model", created=self.created, owned_by="raydecode")
-        data = card.model_dump(exclude_none=True) | {"max_model_len": self.llm.engine.max_model_len}
-        return {"object": "list", "data": [data]}
+        self._check_key(raw)
+        return {"object": "list", "data": [self._card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, raw: Request) -> dict[str, Any]:
+        self._check(raw, model_id)
+        return self._card()
+
+    # -- routes: tokenizer --------------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""
+        self._check_model(body.model)
+        try:
+            body.check_supported()
+            add_special = body.add_special_tokens_or_default()
+            if body.messages is not None:
+                rendered = await self.llm.render_chat(body.conversation(), chat_template=self.args.chat_template,
+                                                      **body.render_kwargs())
+                ids = rendered["prompt_token_ids"]
+                if add_special:
+                    ids = await self.llm.run_off_loop(self._encode, rendered["prompt"], True)
+            else:
+                ids = await self.llm.run_off_loop(self._encode, body.prompt, add_special)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        strs = await self.llm.run_off_loop(self.tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's ``/detokenize``: token ids back to text."""
+        self._check_model(body.model)
+        engine = self.llm.engine
+        if len(body.tokens) > engine.max_model_len:
+            raise APIError(400, f"tokens: {len(body.tokens)} tokens is more than max_model_len={engine.max_model_len}",
+                           "BadRequestError", "tokens")
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < engine.vocab_size:
+                raise APIError(400, f"tokens[{i}]: token {t} is outside the vocabulary [0, {engine.vocab_size})",
+                               "BadRequestError", f"tokens[{i}]")
+        try:
+            text = await self.llm.run_off_loop(self.tokenizer.decode, body.tokens)
+        except Exception as exc:  # an id the tokenizer has no entry for
+            raise APIError(400, f"tokens: cannot be decoded: {exc}", "BadRequestError", "tokens") from None
+        return {"prompt": text}
+
+    # -- routes: generation -------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, raw: Request):
@@ -260,67 +404,55 @@ class OpenAIServer:
         try:
             params = body.sampling_params()
             prompts = body.prompts()
+            if body.add_special_tokens is False or body.truncate_prompt_tokens is not None:
+                prompts = await self.llm.run_off_loop(lambda: [self._shape_prompt(p, body) for p in prompts])
         except (ValueError, ValidationError) as exc:
-            raise APIError(400, str(exc), "BadRequestError") from None
-        rid = new_id("cmpl")
-        requests = await self._requests(prompts, params, rid, body.priority)
+            raise bad_request(exc) from None
+        rid = new_id("cmpl", body.request_id or raw.headers.get("x-request-id"))
+        requests = await self._requests(prompts, params, body.priority)
+        prompt_texts = None
+        if body.echo:
+            tokenizer = self.tokenizer
+            prompt_texts = await self.llm.run_off_loop(
+                lambda: [r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids) for r in requests])
+        builder = CompletionChoices(body, prompt_texts, self._token_text(body))
         streams = [self._outputs(r) for r in requests]
-        if not body.stream:
+        if not body.streaming:
             outs = await _run_all([self._final(s) for s in streams])
-            return JSONResponse(completion_response(rid, self.model_name, body.n, list(outs)).model_dump(exclude_unset=True))
+            response = await self.llm.run_off_loop(completion_response, rid, self.model_name, list(outs), builder)
+            return JSONResponse(response.model_dump(exclude_unset=True))
         created = int(time.time())
+        _, continuous = body.usage_options()
 
-        def chunk(index: int, out: RequestOutput) -> Any:
-            return completion_chunk(rid, self.model_name, index, body.n, out, created)
+        def chunks(index: int, out: RequestOutput) -> list[Any]:
+            return completion_chunks(rid, self.model_name, created, index, out, builder, continuous)
 
-        events = self._events(rid, "text_completion", body, streams, chunk)
+        events = self._events(rid, "text_completion", body, streams, chunks, builder.total_usage)
         return StreamingResponse(events, media_type="text/event-stream")
-
-    async def _events(self, rid: str, kind: str, body: Any, streams: list, chunk: Any) -> AsyncIterator[str]:
-        """Server-sent events: ``chunk(index, output)`` per output, the usage chunk when
-        asked for, an error object if the request failed midway, then ``[DONE]``."""
-        counts = _StreamUsage()
-        try:
-            async for index, out in _merge(streams):
-                counts.add(out)
-                yield _sse(chunk(index, out))
-            if body.stream_options and body.stream_options.include_usage:
-                yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()),
-                                       "model": self.model_name, "choices": [], "usage": counts.as_dict()}))
-        except APIError as exc:
-            yield _sse(json.dumps(error_body(exc.message, exc.kind, exc.status)))
-        yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check(raw, body.model)
         try:
             params = body.sampling_params()
-            prompt = await self.llm.render_chat(
-                body.conversation(), add_generation_prompt=body.add_generation_prompt,
-                chat_template=self.args.chat_template, chat_template_kwargs=body.chat_template_kwargs,
-            )
+            prompt = await self.llm.render_chat(body.conversation(), chat_template=self.args.chat_template,
+                                                **body.render_kwargs())
+            if body.add_special_tokens or body.truncate_prompt_tokens is not None:
+                prompt = await self.llm.run_off_loop(self._shape_prompt, prompt, body)
         except (ValueError, ValidationError) as exc:
-            raise APIError(400, str(exc), "BadRequestError") from None
-        rid = new_id("chatcmpl")
-        top = body.top_logprobs or 0
-        (request,) = await self._requests([prompt], params, rid, body.priority)
+            raise bad_request(exc) from None
+        rid = new_id("chatcmpl", body.request_id or raw.headers.get("x-request-id"))
+        (request,) = await self._requests([prompt], params, body.priority)
         stream = self._outputs(request)
-        if not body.stream:
+        text = self._token_text(body)
+        if not body.streaming:
             (out,) = await _run_all([self._final(stream)])
-            return JSONResponse(chat_response(rid, self.model_name, out, top).model_dump(exclude_unset=True))
-        created = int(time.time())
-        started: set[int] = set()  # samples whose first chunk (with the role) went out
-
-        def chunk(_: int, out: RequestOutput) -> Any:
-            choices = [chat_delta_choice(c, top, c.index not in started) for c in out.outputs]
-            started.update(c.index for c in out.outputs)
-            return chat_chunk(rid, self.model_name, created, choices)
-
-        events = self._events(rid, "chat.completion.chunk", body, [stream], chunk)
+            response = await self.llm.run_off_loop(chat_response, rid, self.model_name, out, body, text)
+            return JSONResponse(response.model_dump(exclude_unset=True))
+        builder = ChatChunks(rid, self.model_name, body, text)
+        events = self._events(rid, "chat.completion.chunk", body, [stream], lambda _, out: builder.chunks(out),
+                              builder.total_usage)
         return StreamingResponse(events, media_type="text/event-stream")
-
-
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

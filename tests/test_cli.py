@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from deploy.cli import main
+from deploy.cli import ENGINE_DEST, _parser, config_docs, engine_kwargs, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +36,12 @@ def test_help(command, capsys):
     (["generate", "--temperature", "-1", "hi"], "temperature"),
     (["serve", "--port", "http"], "invalid int value"),
     (["serve", "--chat-template", "/nonexistent.jinja"], "does not exist"),
+    (["serve", "--scheduling-policy", "lifo"], "scheduling_policy must be"),
+    (["serve", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+    (["serve", "--worker-resources", "{oops"], "--worker-resources: not JSON"),
+    (["serve", "--worker-resources", "[1]"], "expected a JSON dict"),
+    (["serve", "--logits-processors", "[oops"], "--logits-processors: not JSON"),
+    (["serve", "m1", "--model", "m2"], "two models given"),
     (["bench", "nosuchbench"], "unknown benchmark"),
     (["frobnicate"], "invalid choice"),
 ])
@@ -44,6 +50,54 @@ def test_bad_flags_and_files_fail_clearly(argv, message, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _engine_actions(command: str) -> dict[str, object]:
+    sub = next(a for a in _parser()._actions if a.dest == "command").choices[command]
+    return {a.dest[len(ENGINE_DEST):]: a for a in sub._actions if a.dest.startswith(ENGINE_DEST)}
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_engine_config_field_is_a_flag_with_its_doc(command):
+    """Flags come from EngineConfig itself: a new field without a ``#:`` comment fails here."""
+    import dataclasses
+
+    from cluster.config import EngineConfig
+
+    docs = config_docs(EngineConfig)
+    actions = _engine_actions(command)
+    for f in dataclasses.fields(EngineConfig):
+        assert docs.get(f.name), f"EngineConfig.{f.name} has no #: doc comment"
+        assert f.name in actions, f"no flag for EngineConfig.{f.name}"
+        assert actions[f.name].help.startswith(docs[f.name].replace("%", "%%")), f.name
+
+
+def test_engine_flags_take_vllms_names_and_json():
+    from cluster.config import EngineConfig
+
+    args = _parser().parse_args([
+        "serve", "some/model", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+        "--long-prefill-token-threshold", "32", "--block-size", "8", "--max-logprobs", "5", "--seed", "1",
+        "--dtype", "float32", "--device", "cpu", "--trust-remote-code", "--scheduling-policy", "priority",
+        "--logits-processors", "a:B", "c:D", "--spec-tokens", "2", "-dp", "2", "--kv-cache-memory-bytes", "1000",
+        "--worker-resources", '{"gpu_node": 1}', "--ray-init-kwargs", '{"num_cpus": 2}', "--worker-num-cpus", "0.5",
+    ])
+    kwargs = engine_kwargs(args)
+    assert args.model_tag == "some/model"
+    assert kwargs == {
+        "max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64, "long_prefill_token_threshold": 32,
+        "kv_block_size": 8, "max_logprobs": 5, "seed": 1, "dtype": "float32", "device": "cpu",
+        "trust_remote_code": True, "scheduling_policy": "priority", "logits_processors": ["a:B", "c:D"],
+        "num_spec_tokens": 2, "num_workers": 2, "kv_cache_memory_bytes": 1000, "worker_resources": {"gpu_node": 1},
+        "ray_init_kwargs": {"num_cpus": 2}, "worker_num_cpus": 0.5,
+    }
+    EngineConfig(**kwargs)  # every value has the field's type
+    assert engine_kwargs(_parser().parse_args(["serve"])) == {}  # flags not given keep the config's defaults
+    assert engine_kwargs(_parser().parse_args(["serve", "--logits-processors", '["x:Y"]']))["logits_processors"] == ["x:Y"]
+    old = engine_kwargs(_parser().parse_args(["serve", "--num-workers", "3", "--kv-block-size", "4", "--no-decodes-first"]))
+    assert old == {"num_workers": 3, "kv_block_size": 4, "decodes_first": False}
+    gen = _parser().parse_args(["generate", "hi", "--seed", "7", "--engine-seed", "9"])
+    assert gen.seed == 7 and engine_kwargs(gen) == {"seed": 9}  # generate's --seed samples; the engine's is renamed
 
 
 def test_bad_jsonl_names_the_line(tmp_path, capsys):
