@@ -49,8 +49,17 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
     num_spec_tokens: int = 0
+    #: shortest n-gram the prompt-lookup proposer matches
+    ngram_min: int = 1
+    #: longest n-gram the prompt-lookup proposer matches
+    ngram_max: int = 4
     #: the most logprobs / prompt_logprobs a request may ask per token; -1: no limit
     max_logprobs: int = 20
+    #: what logprobs report: "raw_logprobs" (the model's, before any processing, as
+    #: vLLM's default), "raw_logits", "processed_logprobs" or "processed_logits"
+    logprobs_mode: str = "raw_logprobs"
+    #: CPU: run linear layers with prepacked oneDNN weights (faster; off: plain F.linear)
+    cpu_packed_linear: bool = True
     #: custom logits processors, as "module:Qualname" (server configuration only)
     logits_processors: list[str] = field(default_factory=list)
     #: text of the token that opens a reasoning section (thinking_token_budget)
@@ -135,6 +144,13 @@ class EngineConfig:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens!r}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
+        for name in ("ngram_min", "ngram_max"):
+            positive(name)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"logprobs_mode must be one of {modes}, got {self.logprobs_mode!r}")
         for name in ("worker_num_cpus", "worker_num_gpus"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -147,7 +163,9 @@ class EngineConfig:
             kv_block_size=self.kv_block_size, kv_cache_tokens=self.kv_cache_tokens,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            num_spec_tokens=self.num_spec_tokens, max_logprobs=self.max_logprobs,
+            num_spec_tokens=self.num_spec_tokens, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+            max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
+            cpu_packed_linear=self.cpu_packed_linear,
             logits_processors=list(self.logits_processors),
             reasoning_start=self.reasoning_start, reasoning_end=self.reasoning_end,
             seed=self.seed, trust_remote_code=self.trust_remote_code,

@@ -202,6 +202,11 @@ class LLMEngine:
             raise ValueError(f"priority must be an int, got {priority!r}")
         if priority != 0 and c.scheduling_policy != "priority":
             raise ValueError("priority needs scheduling_policy='priority'")
+        if params.thinking_token_budget is not None and not (c.reasoning_start and c.reasoning_end):
+            raise ValueError(
+                "thinking_token_budget needs a server started with reasoning markers "
+                "(reasoning_start and reasoning_end)"
+            )
         if params.n > c.max_n:
             raise ValueError(f"n must be at most {c.max_n} (the server's max_n), got {params.n}")
         for name in ("stop", "bad_words"):

@@ -26,6 +26,15 @@ Conversation = list[dict[str, Any]]
 NORMALIZER_SLACK = 4
 
 
+#: Arguments of ``apply_chat_template`` that a request's ``chat_template_kwargs`` may
+#: not reach around their own checks.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors",
+})
+
+
 @dataclass(frozen=True)
 class PromptBudget:
     """How many prompt tokens fit, and the cheap length test that refuses text which
@@ -133,6 +142,9 @@ def render_chat(
         raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
     check_text("messages", conversation)
     check_text("chat_template_kwargs", chat_template_kwargs)
+    reserved = RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or ())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)} (they are request fields or the renderer's own)")
     if budget is not None:
         budget.check_chars("messages", sum(_text_length(m.get("content")) for m in conversation))
     if getattr(tokenizer, "chat_template", None) is None and chat_template is None:

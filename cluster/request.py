@@ -94,15 +94,19 @@ class Request:
         kind = self.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        plp = self.prompt_logprobs
         if kind == RequestOutputKind.DELTA:
             completions = [c for c in (self._delta(s) for s in self.sequences) if c is not None]
             if not completions and not finished:
                 return None
-            prompt_logprobs = None if self._sent_prompt_logprobs else self.prompt_logprobs
+            # Sent once, whole: with n > 1 a later sample's first token can come before
+            # sample 0 has run the end of the prompt.
+            prompt_logprobs = None
+            if plp is not None and not self._sent_prompt_logprobs and (finished or len(plp) >= len(self.prompt_token_ids)):
+                prompt_logprobs, self._sent_prompt_logprobs = plp[:], True
         else:
             completions = [self._cumulative(s) for s in self.sequences]
-            prompt_logprobs = self.prompt_logprobs
-        self._sent_prompt_logprobs = True
+            prompt_logprobs = plp[:] if plp is not None else None  # a snapshot: the engine keeps appending
         self._sent_final = finished
         return RequestOutput(
             request_id=self.request_id,

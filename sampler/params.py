@@ -152,11 +152,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
+            # The cap is the server's max_logprobs, checked by ``verify``.
             value = getattr(self, name)
-            if value is not None and (
-                not _is_int(value) or not (-1 <= value <= DEFAULT_MAX_LOGPROBS)
-            ):
-                raise bad(name, f"an int in [-1, {DEFAULT_MAX_LOGPROBS}] or None", value)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise bad(name, "an int >= -1 (-1: the whole vocabulary) or None", value)
         if self.thinking_token_budget is not None and (
             not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0
         ):

@@ -238,3 +238,34 @@ def test_caller_ids_cannot_collide_with_internal_sequence_ids(llm):
     (alone,) = llm.generate(["ray schedules actors"], greedy, use_tqdm=False)
     assert finals["a#1"].outputs[0].token_ids == alone.outputs[0].token_ids
     assert engine.num_worker_failures == 0
+
+
+def test_a_thinking_budget_needs_reasoning_markers(llm):
+    with pytest.raises(ValueError, match="thinking_token_budget needs a server started with reasoning markers"):
+        llm.generate(["a"], SamplingParams(thinking_token_budget=4), use_tqdm=False)
+
+
+@pytest.mark.parametrize("key", ["tokenize", "add_generation_prompt", "continue_final_message", "tools", "conversation"])
+def test_chat_template_kwargs_cannot_reach_around_request_fields(key):
+    with pytest.raises(ValueError, match=f"chat_template_kwargs may not set \\['{key}'\\]"):
+        render_chat([{"role": "user", "content": "x"}], _Template(AssertionError("rendered")), chat_template_kwargs={key: True})
+
+
+def test_streamed_prompt_logprobs_come_once_and_whole(llm):
+    """n=2 streamed: the prompt logprobs arrive in one output, complete, and what was
+    handed out never changes afterwards (a snapshot, not the engine's live list)."""
+    from sampler.params import RequestOutputKind
+
+    engine = llm.engine
+    prompt = list(range(5, 5 + 70))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2, prompt_logprobs=1,
+                            output_kind=RequestOutputKind.DELTA)
+    engine.add_request("plp", prompt, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                seen.append((out.prompt_logprobs, len(out.prompt_logprobs)))
+    assert len(seen) == 1
+    plp, length = seen[0]
+    assert length == len(prompt) and len(plp) == length and not plp[0]  # the first token has none

@@ -54,9 +54,9 @@ INVALID = [
     ("max_tokens", 0),
     ("max_tokens", -5),
     ("logprobs", -2),
-    ("logprobs", 21),
+    ("logprobs", 2.5),
     ("prompt_logprobs", -2),
-    ("prompt_logprobs", 21),
+    ("prompt_logprobs", "5"),
     ("seed", True),
     ("seed", False),
     ("seed", 1.5),
@@ -230,7 +230,7 @@ def test_msgpack_decode_wrong_type_names_field():
         ({"top_p": 2.0}, "top_p"),
         ({"top_k": -3}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -3}, "logprobs"),
         ({"min_tokens": 10, "max_tokens": 2}, "min_tokens"),
         ({"logit_bias": {1: float("nan")}}, "logit_bias"),
     ],
@@ -347,6 +347,15 @@ def test_verify_rejects(field, kwargs):
 )
 def test_verify_accepts_in_range(kwargs):
     SamplingParams(**kwargs).verify(100, 5)
+
+
+def test_the_logprobs_cap_is_the_servers():
+    """SamplingParams itself takes any width; the server's max_logprobs caps it (20 by
+    default, as vLLM), so a server started with a larger cap serves larger widths."""
+    p = SamplingParams(logprobs=50, prompt_logprobs=30)
+    with pytest.raises(ValueError, match=r"logprobs must be in \[-1, 20\] \(the server's max_logprobs\), got 50"):
+        p.verify(1000)
+    p.verify(1000, 64)
 
 
 def test_verify_unlimited_max_logprobs():
