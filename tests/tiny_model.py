@@ -18,13 +18,16 @@ CORPUS = [
 SPECIAL = ["<|endoftext|>", "<think>", "</think>"]
 
 
-def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2) -> Path:
-    """Writes model + tokenizer into ``folder`` (once) and returns it."""
+def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch: str = "llama", **overrides) -> Path:
+    """Writes model + tokenizer into ``folder`` (once) and returns it. ``arch`` picks
+    the architecture: "llama" (the default), "mistral" (a sliding window), "gemma2"
+    (soft-capped attention logits, sliding and global layers) or "gpt_oss" (attention
+    sinks); ``overrides`` go to its config."""
     folder = Path(folder)
     if (folder / "config.json").exists():
         return folder
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1, special_tokens=SPECIAL, show_progress=False)
@@ -32,14 +35,24 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2) -> P
         tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )
+    extra = {
+        "llama": {},
+        "mistral": {"sliding_window": 24, "head_dim": 16},
+        "gemma2": {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 5.0,
+                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16,
+                   "layer_types": ["sliding_attention", "full_attention"]},
+        "gpt_oss": {"head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1,
+                    "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 24},
+    }[arch]
+    config = AutoConfig.for_model(arch, **{**common, **extra, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     # Larger weights than the default init: sharper logits, fewer near-ties.
     with torch.no_grad():
         for p in model.parameters():
