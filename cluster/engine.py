@@ -42,6 +42,7 @@ from cluster.worker_pool import WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
 from worker.model_loader import load_tokenizer
 from worker.protocol import Codec, StepTimings
+from worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger("raydecode")
 
@@ -119,6 +120,8 @@ class LLMEngine:
         # Every worker must be able to hold any request alone (they share one queue).
         self.max_kv_tokens = min(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
         self.prompt_budget = PromptBudget.for_tokenizer(self.tokenizer, self.max_model_len - 1)
+        # Structured outputs: each constraint compiles once here (LRU), checked on entry.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.waiting = WaitingQueue()
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
@@ -210,6 +213,8 @@ class LLMEngine:
                 )
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, self.prompt_budget)
         params.verify(self.vocab_size, c.max_logprobs)
+        if params.structured_outputs is not None:  # compiled (and cached) here: a bad one is a ValueError
+            self.grammar_compiler.validate(params.structured_outputs)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise ValueError(

@@ -36,6 +36,7 @@ from worker.protocol import (
     WorkerConfig,
     WorkerInfo,
 )
+from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
 
 UNSATISFIABLE = "no token is allowed: the request's constraints (allowed_token_ids, bad_words, logit_bias, ...) ban every token"
 NONFINITE = "the logits became NaN or infinite under this request's parameters (or the model produced them)"
@@ -87,6 +88,8 @@ class ModelRunner:
             self.reasoning = ReasoningConfig.from_strings(
                 config.reasoning_start, config.reasoning_end, loaded.tokenizer
             )
+        # Structured outputs: grammars compile on first use; the cache outlives resets.
+        self.grammar_compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         self.batch = self._new_batch()
         self.sampler = Sampler(self.sampler_config, in_place=True)
         self.rejection_sampler = RejectionSampler(self.sampler_config)
@@ -327,6 +330,8 @@ class ModelRunner:
             logitsprocs = build_logitsprocs(self.sampler_config, self.device, False)
         except (ImportError, ValueError, TypeError, RuntimeError) as exc:
             raise ModelLoadError(f"logits_processors: {exc}") from None
+        logitsprocs.non_argmax_invariant.append(StructuredOutputLogitsProcessor(  # idle without constrained rows
+            self.sampler_config, self.device, False, compiler=self.grammar_compiler))
         thinking = None
         if self.reasoning is not None:
             thinking = ThinkingBudgetStateHolder(
