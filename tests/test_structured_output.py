@@ -657,3 +657,23 @@ def test_an_invalid_grammar_sent_to_a_worker_fails_that_request_alone(worker_fac
 def test_the_sampler_library_refuses_constraints_it_cannot_enforce():
     with pytest.raises(ValueError, match="structured_outputs is enforced by the worker"):
         SamplingMetadata.from_requests([so(regex="a")], [[1]], [[]], VOCAB)
+
+
+def test_the_device_path_masks_like_the_numpy_path(compiler):
+    """The bitmask applied with torch ops (non-CPU devices; here forced by a
+    non-contiguous tensor) bans exactly what the CPU numpy path bans, on every row or
+    on some, and a NaN row stays NaN in both."""
+    proc = new_proc(compiler)
+    add(proc, (0, so(regex="[0-9]{2}"), []), (1, SamplingParams(), []), (2, so(choice=["ab", "cd"]), [67]))
+    for rows in (3, 1):
+        base = torch.randn(rows, VOCAB)
+        if rows == 3:
+            base[1, 5] = float("nan")
+        fast = base.clone()
+        slow = torch.zeros(rows, 2 * VOCAB)[:, ::2].copy_(base)  # same values, not contiguous
+        assert not slow.is_contiguous()
+        proc.apply(fast)
+        proc.apply(slow)
+        assert torch.equal(torch.isneginf(fast), torch.isneginf(slow))
+        assert torch.equal(fast.nan_to_num(0.0, 0.0, 0.0), slow.nan_to_num(0.0, 0.0, 0.0))
+        assert torch.isneginf(fast[0]).sum() > VOCAB - 20
