@@ -677,3 +677,26 @@ def test_the_device_path_masks_like_the_numpy_path(compiler):
         assert torch.equal(torch.isneginf(fast), torch.isneginf(slow))
         assert torch.equal(fast.nan_to_num(0.0, 0.0, 0.0), slow.nan_to_num(0.0, 0.0, 0.0))
         assert torch.isneginf(fast[0]).sum() > VOCAB - 20
+
+
+def test_a_thinking_budget_forcing_a_token_outside_the_grammar_fails_that_request(worker_factory, tok):
+    """A documented limit: inside a thinking block (the prompt opens one) the grammar
+    applies from the first token, and the budget then forces the end marker, which the
+    grammar does not allow: that request fails with an error, its batch neighbour does
+    not; without a budget the same request follows its grammar."""
+    from worker_driver import MiniDriver
+
+    start = tok.encode("<think>", add_special_tokens=False)
+    prompt = tok.encode("the quick brown fox") + start
+    fields = {"regex": "[a-z ]{1,30}"}
+    outs = {}
+    for budget in (2, None):
+        driver = MiniDriver(worker_factory(reasoning_start="<think>", reasoning_end="</think>").step, max_rows=2)
+        driver.submit("t", prompt, SamplingParams(temperature=0.0, max_tokens=12, eos_token_ids=[EOS],
+                                                  thinking_token_budget=budget, structured_outputs=fields))
+        driver.submit("free", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        outs[budget] = driver.run()
+        assert outs[budget]["free"].error is None and len(outs[budget]["free"].output) == 6
+    assert outs[2]["t"].error and "no token is allowed" in outs[2]["t"].error
+    assert outs[None]["t"].error is None
+    assert regex.fullmatch("[a-z ]{1,30}", tok.decode(outs[None]["t"].output, skip_special_tokens=True), partial=True)

@@ -462,7 +462,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             values = logits.numpy()
             width = min(add.shape[0], vocab)
             for k, r in enumerate(rows):
-                np.take(_BYTE_TO_ADD, data[k], axis=0, out=self._row_add)
+                np.take(_BYTE_TO_ADD, data[k], axis=0, out=self._row_add, mode="clip")  # unbuffered
                 np.add(values[r, :width], add[:width], out=values[r, :width])
                 values[r, width:] = -np.inf
             return logits
