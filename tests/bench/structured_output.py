@@ -174,7 +174,7 @@ def main() -> None:
             f"{t_compile * 1e3:.2f}", f"{t_copy * 1e3:.3f}", f"{t_compile / t_copy:.0f}x"),
     ]
     emit("structured_output", rows, notes=[
-        f"structured_output: the llguidance tokenizer is built once per process on the first "
+        f"the llguidance tokenizer is built once per process on the first "
         f"constrained request ({t_tokenizer * 1e3:.0f} ms at vocab {vocab})."])
 
 
