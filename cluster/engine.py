@@ -213,8 +213,6 @@ class LLMEngine:
                 )
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, self.prompt_budget)
         params.verify(self.vocab_size, c.max_logprobs)
-        if params.structured_outputs is not None:  # compiled (and cached) here: a bad one is a ValueError
-            self.grammar_compiler.validate(params.structured_outputs)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise ValueError(
@@ -232,6 +230,8 @@ class LLMEngine:
                 f"the request needs {len(ids) + max_tokens} KV tokens; a worker holds at most "
                 f"{self.max_kv_tokens} (kv_cache_tokens)"
             )
+        if params.structured_outputs is not None:  # compiled (and cached) here: a bad one is a ValueError
+            self.grammar_compiler.validate(params.structured_outputs)
         changes: dict[str, Any] = {"max_tokens": max_tokens}
         if params.eos_token_ids is None:
             changes["eos_token_ids"] = self.eos_token_ids
