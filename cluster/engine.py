@@ -43,6 +43,7 @@ from cluster.worker_pool import WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
 from worker.model_loader import load_tokenizer
 from worker.protocol import Codec, StepTimings
+from worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger("raydecode")
 
@@ -120,6 +121,8 @@ class LLMEngine:
         # Every worker must be able to hold any request alone (they share one queue).
         self.max_kv_tokens = min(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
         self.prompt_budget = PromptBudget.for_tokenizer(self.tokenizer, self.max_model_len - 1)
+        # Structured outputs: each constraint compiles once here (LRU), checked on entry.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.waiting = WaitingQueue()
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
@@ -235,6 +238,8 @@ class LLMEngine:
                 f"the request needs {len(ids) + max_tokens} KV tokens; a worker holds at most "
                 f"{self.max_kv_tokens} (kv_cache_tokens)"
             )
+        if params.structured_outputs is not None:  # compiled (and cached) here: a bad one is a ValueError
+            self.grammar_compiler.validate(params.structured_outputs)
         changes: dict[str, Any] = {"max_tokens": max_tokens}
         if params.eos_token_ids is None:
             changes["eos_token_ids"] = self.eos_token_ids

@@ -88,6 +88,11 @@ class SamplingMetadata:
                     "bad_words needs bad_words_token_ids: call params.tokenize_bad_words(tokenizer)"
                 )
         outputs = [o if isinstance(o, list) else list(o) for o in output_token_ids]
+        if logitsprocs is None and any(p.structured_outputs is not None for p in params):
+            raise ValueError(  # the built-ins cannot enforce it: never ignore it silently
+                "structured_outputs is enforced by the worker's StructuredOutputLogitsProcessor "
+                "(worker/structured_output.py): pass logitsprocs that include it"
+            )
         if logitsprocs is None:
             logitsprocs = build_logitsprocs(config, device)
             update = BatchUpdate(

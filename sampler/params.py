@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as _json
 import math
 from typing import Any
 
@@ -76,6 +77,109 @@ def check_text(field: str, value: Any) -> None:
         raise ValueError(f"{field} {problem}")
 
 
+#: Deepest nesting a JSON schema may have (a deeper one is refused before anything
+#: recursive, copying or serializing, touches it).
+MAX_SCHEMA_DEPTH = 64
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of dicts/lists in ``value``, counted iteratively up to ``limit + 1``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams`` fields):
+    exactly one of ``json`` (a JSON schema: a dict, or a string holding one),
+    ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark, or
+    GBNF) and ``json_object`` (any JSON object). The JSON options: ``disable_any_whitespace``
+    (no whitespace between tokens), ``disable_additional_properties`` (objects with
+    ``properties`` get ``additionalProperties: false`` unless they say otherwise),
+    ``whitespace_pattern`` (a regex for the whitespace allowed between tokens).
+
+    The worker enforces it (``worker/structured_output.py``, llguidance); here the shape
+    is checked, and ``LLMEngine.make_request`` compiles it before it is queued.
+    Invalid values raise ``ValueError`` naming ``structured_outputs.<field>``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(field: str, rule: str, value: Any) -> ValueError:
+            shown = repr(value)
+            shown = shown if len(shown) <= 200 else f"{shown[:200]}..."
+            return ValueError(f"structured_outputs.{field} must be {rule}, got {shown}")
+
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}; got {what}"
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                check_text("structured_outputs.json", schema)
+                try:
+                    schema = _json.loads(schema)
+                except (ValueError, RecursionError) as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise bad("json", "a JSON schema object (a dict, or a string holding one)", self.json)
+            if _json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            check_text("structured_outputs.json", schema)  # also what JSON escapes decode to
+            if schema is self.json:
+                try:  # it compiles from JSON and crosses the wire to the workers as msgpack
+                    _json.dumps(schema, allow_nan=False)
+                    msgspec.msgpack.encode(schema)
+                except (TypeError, ValueError, OverflowError) as exc:
+                    raise ValueError(f"structured_outputs.json must hold only JSON values: {exc}") from None
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or (name == "grammar" and not value.strip()):
+                    raise bad(name, "a non-empty string" if name == "grammar" else "a string", value)
+                check_text(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(
+                isinstance(c, str) for c in self.choice
+            ):
+                raise bad("choice", "a non-empty list of strings", self.choice)
+            check_text("structured_outputs.choice", self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise bad("json_object", "true (or left out)", self.json_object)
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool", getattr(self, name))
+        if self.whitespace_pattern is not None and self.json is None and not self.json_object:
+            raise ValueError("structured_outputs.whitespace_pattern applies to json and json_object only")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling parameters of one request (vLLM field names and validation).
 
@@ -109,6 +213,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    #: A JSON schema / regex / choice / grammar the output must follow (a dict is
+    #: turned into ``StructuredOutputsParams``); enforced by the worker.
+    structured_outputs: StructuredOutputsParams | None = None
     #: Token ids of ``bad_words``; filled by :meth:`tokenize_bad_words` (engine side).
     bad_words_token_ids: list[list[int]] | None = None
     #: The model's EOS token ids; set by the engine from the tokenizer/generation config.
@@ -117,6 +224,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
         self._validate()
 
     # -- validation -----------------------------------------------------------------
@@ -199,6 +311,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 msgspec.msgpack.encode(self.extra_args)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise ValueError(f"extra_args must hold only JSON-like values: {exc}") from None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams (or a dict of its fields) or None",
+                          self.structured_outputs)
+            self.structured_outputs._validate()
         if self.bad_words_token_ids is not None:
             for seq in self.bad_words_token_ids:
                 self._validate_token_list("bad_words_token_ids", seq)

@@ -296,7 +296,10 @@ def apply_processors(
     once per draft depth on a batch-shaped view whose output lists are temporarily
     extended with the draft prefix (so processors see the tokens before the position).
     A processor whose ``reads_output_token_ids`` is False skips that on the bonus layout
-    (one row per batch row): the drafts cannot change what it does."""
+    (one row per batch row): the drafts cannot change what it does. A processor with
+    ``apply_at_positions(logits, row_index, num_prior)`` handles the positions itself;
+    with ``reads_draft_tokens = True`` it also gets the draft prefixes themselves (a
+    fourth argument: ``prefixes[i]`` are the drafts before logits row i)."""
     for proc in processors:
         try:
             if positions is None or (
@@ -305,7 +308,12 @@ def apply_processors(
                 logits = proc.apply(logits)
             elif hasattr(proc, "apply_at_positions"):
                 num_prior = np.fromiter((len(p) for p in positions.prefixes), np.int64)
-                logits = proc.apply_at_positions(logits, positions.row_index, num_prior)
+                if getattr(proc, "reads_draft_tokens", False):  # it needs the drafts themselves
+                    logits = proc.apply_at_positions(
+                        logits, positions.row_index, num_prior, positions.prefixes
+                    )
+                else:
+                    logits = proc.apply_at_positions(logits, positions.row_index, num_prior)
             else:
                 logits = _apply_by_depth(proc, logits, md, positions)
         except LogitsProcessorError:

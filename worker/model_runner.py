@@ -44,6 +44,7 @@ from worker.protocol import (
     WorkerConfig,
     WorkerInfo,
 )
+from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
 
 logger = logging.getLogger("raydecode")
 
@@ -97,6 +98,8 @@ class ModelRunner:
             self.reasoning = ReasoningConfig.from_strings(
                 config.reasoning_start, config.reasoning_end, loaded.tokenizer
             )
+        # Structured outputs: grammars compile on first use; the cache outlives resets.
+        self.grammar_compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         self.batch = self._new_batch()
         self.sampler = Sampler(self.sampler_config, in_place=True)
         self.rejection_sampler = RejectionSampler(self.sampler_config)
@@ -371,6 +374,9 @@ class ModelRunner:
             logitsprocs = build_logitsprocs(self.sampler_config, self.device, False)
         except (ImportError, ValueError, TypeError, RuntimeError) as exc:
             raise ModelLoadError(f"logits_processors: {exc}") from None
+        # Structured outputs (worker/structured_output.py): idle while no row has a constraint.
+        logitsprocs.non_argmax_invariant.append(StructuredOutputLogitsProcessor(
+            self.sampler_config, self.device, False, compiler=self.grammar_compiler))
         thinking = None
         if self.reasoning is not None:
             thinking = ThinkingBudgetStateHolder(

@@ -58,6 +58,12 @@ class LogitsProcessor(ABC):
     #: only read params may say False: under speculative decoding the sampler then
     #: skips re-running them for each draft depth.
     reads_output_token_ids: bool = True
+    #: Under speculative decoding a processor may define
+    #: ``apply_at_positions(logits, row_index, num_prior)`` (logits row i follows batch
+    #: row ``row_index[i]``'s output plus ``num_prior[i]`` drafts) instead of being run
+    #: once per draft depth; with ``reads_draft_tokens = True`` the sampler also passes
+    #: the drafts before each position (``prefixes[i]``, a fourth argument).
+    reads_draft_tokens: bool = False
 
     @classmethod
     def validate_params(cls, sampling_params: "SamplingParams") -> None:
