@@ -9,7 +9,7 @@ for real, conversations with tool results and earlier calls, and hostile tools."
 from __future__ import annotations
 
 import json
-import os
+from collections import Counter
 
 import httpx
 import jsonschema
@@ -506,3 +506,58 @@ def test_tools_that_cannot_fit_the_prompt_are_refused_before_rendering(server):
     r = post(server, {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]})
     assert r.status_code == 400 and "too long" in r.json()["error"]["message"]
     assert httpx.get(f"{server}/health").json()["running_requests"] == 0
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=12)
+NAMES = st.sampled_from(["get_weather", "add", "f", ""]) | st.text(max_size=6)
+SCHEMA_ISH = JSON | st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "integer", "strin"])},
+                                          optional={"properties": st.dictionaries(st.text(max_size=3), JSON,
+                                                                                  max_size=2),
+                                                    "pattern": st.sampled_from(["a+", "(", "(?=a)"]),
+                                                    "$ref": st.sampled_from(["#", "#/$defs/x", "#/properties"])})
+TOOL = st.fixed_dictionaries({"type": st.just("function") | JSON, "function": st.fixed_dictionaries(
+    {"name": NAMES}, optional={"parameters": SCHEMA_ISH, "description": JSON, "strict": st.booleans() | JSON})}) | JSON
+FUZZ_STATUSES: Counter = Counter()
+HOSTILE_FIELDS = st.fixed_dictionaries({}, optional={
+    "tools": st.lists(TOOL, max_size=3) | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required", "any"]) | st.builds(
+        lambda n: {"type": "function", "function": {"name": n}}, NAMES) | JSON,
+    "parallel_tool_calls": st.booleans() | JSON,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                                             optional={"json_schema": st.fixed_dictionaries(
+                                                 {"name": st.text(max_size=4)}, optional={"schema": SCHEMA_ISH})})
+    | JSON,
+    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
+                                                           "disable_any_whitespace", "whitespace_pattern"]),
+                                          JSON | SCHEMA_ISH, max_size=2) | JSON,
+    "guided_json": SCHEMA_ISH, "guided_regex": st.sampled_from(["a+", "(", "[a-"]) | JSON,
+    "guided_choice": st.lists(st.text(max_size=4), max_size=3) | JSON,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])}, optional={
+        "content": st.none() | st.text(max_size=8), "tool_call_id": JSON,
+        "tool_calls": st.lists(st.fixed_dictionaries({"id": JSON, "function": st.fixed_dictionaries(
+            {"name": NAMES}, optional={"arguments": st.text(max_size=12) | JSON})}), max_size=2) | JSON}),
+        min_size=1, max_size=3),
+    "stream": st.booleans(),
+})
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(fields=HOSTILE_FIELDS)
+def test_hostile_tool_and_constraint_fields_never_a_server_error(server, fields):
+    """Drawn tools, tool choices, constraints and tool messages, valid or not: never
+    a 5xx (and a 200 stream never ends in an error event)."""
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 8, **fields}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=120) as r:
+        text = r.read().decode()
+    assert r.status_code < 500, (fields, r.status_code, text[:300])
+    FUZZ_STATUSES[r.status_code] += 1
+    if r.status_code == 200 and fields.get("stream") is True:
+        assert '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text[-300:]
+
+
+def test_after_the_hostile_fields_the_server_is_whole(server):
+    assert FUZZ_STATUSES[200] and FUZZ_STATUSES[400], FUZZ_STATUSES  # both kinds were drawn
+    health = httpx.get(f"{server}/health").json()
+    assert health["running_requests"] == 0 and health["worker_failures"] == 0
