@@ -159,6 +159,18 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
+    t = srv.add_argument_group("tools and structured outputs (vLLM's flags)")
+    t.add_argument("--tool-call-parser", choices=_tool_parser_names(), default=None,
+                   help="the model's tool call format, parsed for tool_choice \"auto\": hermes (Hermes 2 Pro / 3, "
+                        "Qwen 2.5 / 3, <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3 JSON calls)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice \"auto\" (the default when a request has tools); needs --tool-call-parser")
+    t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="tool_choice \"none\": leave the tools out of the prompt")
+    t.add_argument("--max-tools", type=int, default=None, help="tools one request may carry (default: 128)")
+    t.add_argument("--structured-outputs-config", type=_json_of(dict), default=None, metavar="JSON",
+                   help='defaults for JSON constraints: {"disable_any_whitespace": true, '
+                        '"disable_additional_properties": true}')
     _engine_flags(srv)
 
     bench = sub.add_parser("bench", help="run the benchmark scripts in tests/bench (a source checkout)")
@@ -168,6 +180,36 @@ def _parser() -> argparse.ArgumentParser:
                        help="folder for the scripts' results, results.md and throughput.png "
                             "(default: %(default)s); running some scripts keeps the others' results")
     return ap
+
+
+def _tool_parser_names() -> list[str]:
+    from deploy.openai.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The tools and structured-outputs part of ``ServerArgs`` (bad values exit 2)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.max_tools is not None and args.max_tools < 1:
+        ap.error(f"--max-tools must be at least 1, got {args.max_tools}")
+    out: dict[str, Any] = {"tool_call_parser": args.tool_call_parser,
+                           "enable_auto_tool_choice": args.enable_auto_tool_choice,
+                           "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
+    if args.max_tools is not None:
+        out["max_tools"] = args.max_tools
+    if args.structured_outputs_config is not None:
+        from pydantic import ValidationError
+
+        from deploy.serve import StructuredOutputsConfig
+
+        try:
+            StructuredOutputsConfig.model_validate(args.structured_outputs_config)
+        except ValidationError as exc:
+            ap.error(f"--structured-outputs-config: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+        out["structured_outputs_config"] = args.structured_outputs_config
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,6 +318,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
     engine = engine_kwargs(args)
+    api = _api_args(ap, args)
     if args.model_tag is not None:
         if engine.get("model") not in (None, args.model_tag):
             ap.error(f"two models given: {args.model_tag} and --model {engine['model']}")
@@ -297,7 +340,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     app = build_app({
         "model": engine.pop("model", None), "num_workers": engine.pop("num_workers", 1),
         "served_model_name": args.served_model_name, "api_key": args.api_key, "engine": engine,
-        "chat_template": args.chat_template.read_text() if args.chat_template else None,
+        "chat_template": args.chat_template.read_text() if args.chat_template else None, **api,
     })
     session = RaySession.connect(address)
     # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,6 +39,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.outputs import RequestOutput
 from deploy.metrics import metrics_registry
+from deploy.openai.structured import Constraint
+from deploy.openai.tool_parsers import TOOL_PARSERS
+from deploy.openai.tools import DEFAULT_MAX_TOOLS, ApiOptions
 from deploy.openai.protocol import (
     ChatChunks,
     ChatCompletionRequest,
@@ -54,7 +57,20 @@ from deploy.openai.protocol import (
     error_body,
     new_id,
 )
-from sampler.params import check_text
+from sampler.params import StructuredOutputsParams, check_text
+
+
+class StructuredOutputsConfig(BaseModel):
+    """Defaults for the JSON constraints of requests that do not set them (vLLM's
+    ``--structured-outputs-config``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: compact JSON: no whitespace between tokens (a weak model may otherwise spend
+    #: its tokens on whitespace)
+    disable_any_whitespace: bool = False
+    #: objects with ``properties`` get ``additionalProperties: false`` unless they say
+    disable_additional_properties: bool = False
 
 
 class ServerArgs(BaseModel):
@@ -74,6 +90,22 @@ class ServerArgs(BaseModel):
     max_ongoing_requests: int = 256  # per replica, in the engine at once
     max_queued_requests: int = 512  # waiting for a replica; beyond: 503
     retry_after_s: float = 1.0
+    # -- tools and structured outputs (vLLM's flag names) --
+    tool_call_parser: str | None = None  # the model's tool call format for tool_choice "auto": hermes, llama3_json
+    enable_auto_tool_choice: bool = False  # allow tool_choice "auto" (needs tool_call_parser), as vLLM
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": leave the tools out of the prompt
+    max_tools: int = DEFAULT_MAX_TOOLS  # tools in one request, at most
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+
+    @model_validator(mode="after")
+    def _tools_make_sense(self) -> "ServerArgs":
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (as vLLM's --enable-auto-tool-choice)")
+        if self.max_tools < 1:
+            raise ValueError(f"max_tools must be at least 1, got {self.max_tools}")
+        return self
 
 
 def _version() -> str:
@@ -194,6 +226,13 @@ class OpenAIServer:
         self.model_name = self.args.served_model_name or self.llm.engine.model_name
         self.created = int(time.time())
         self.registry = metrics_registry(self.llm.engine, self.model_name)
+        self.api_options = ApiOptions(
+            structured_defaults=self.args.structured_outputs_config.model_dump(),
+            tool_call_parser=self.args.tool_call_parser, enable_auto_tool_choice=self.args.enable_auto_tool_choice,
+            max_tools=self.args.max_tools,
+            exclude_tools_when_tool_choice_none=self.args.exclude_tools_when_tool_choice_none,
+            max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
+        )
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop stopped or is
@@ -254,9 +293,11 @@ class OpenAIServer:
                 text = None  # the text no longer matches; echo decodes the ids
         return {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
 
-    async def _requests(self, prompts: list[Any], params: Any, priority: int) -> list[Any]:
+    async def _requests(self, prompts: list[Any], params: Any, priority: int,
+                        constraint: Constraint | None = None) -> list[Any]:
         """Every prompt validated and tokenized (off the event loop) before any is
-        queued: a bad one is a 400 naming it, and nothing was started."""
+        queued: a bad one is a 400 naming it, and nothing was started. An error about
+        the output's ``constraint`` names the request field it came from."""
         engine = self.llm.engine
         if params.thinking_token_budget is not None and not engine.config.reasoning_start:
             raise APIError(400, "thinking_token_budget: this server has no reasoning markers (start it with "
@@ -272,11 +313,35 @@ class OpenAIServer:
             try:
                 requests.append(await self.llm.make_request(prompt, params, f"{rid}-{i}", priority=priority))
             except ValueError as exc:
+                named = await self._explain(constraint, exc) if constraint is not None else None
+                if named is not None:
+                    raise APIError(400, named[0], "BadRequestError", named[1]) from None
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise APIError(400, f"{where}{exc}", "BadRequestError", getattr(exc, "param", None)) from None
             except EngineDeadError as exc:
                 raise APIError(503, str(exc), "ServiceUnavailableError") from None
         return requests
+
+    async def _explain(self, constraint: Constraint, exc: ValueError) -> tuple[str, str | None] | None:
+        """(message, param) of an engine error about ``constraint`` (it does not
+        compile), named as the client named it: for the required-calls schema, the
+        first tool whose own schema does not compile."""
+        named = constraint.explain(exc)
+        if named is not None and constraint.parts:
+            compiler = self.llm.engine.grammar_compiler
+
+            def first_bad() -> str | None:
+                for where, spec in constraint.parts:
+                    try:
+                        compiler.validate(StructuredOutputsParams(**spec))
+                    except ValueError:
+                        return where
+                return None
+
+            where = await self.llm.run_off_loop(first_bad)
+            if where is not None:
+                named = (named[0].replace(constraint.where, where, 1), where)
+        return named
 
     async def _outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
         """A queued request's outputs; its failure is a 500 for it alone."""
@@ -363,15 +428,21 @@ class OpenAIServer:
         """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""
         self._check_model(body.model)
         try:
-            body.check_supported()
             add_special = body.add_special_tokens_or_default()
             if body.messages is not None:
-                rendered = await self.llm.render_chat(body.conversation(), chat_template=self.args.chat_template,
+                def prepare() -> list[dict[str, Any]]:
+                    body.check_supported(self.api_options)
+                    body.check_prompt_size(self.api_options.max_prompt_chars)
+                    return body.conversation()
+
+                conversation = await self.llm.run_off_loop(prepare)
+                rendered = await self.llm.render_chat(conversation, chat_template=self.args.chat_template,
                                                       **body.render_kwargs())
                 ids = rendered["prompt_token_ids"]
                 if add_special:
                     ids = await self.llm.run_off_loop(self._encode, rendered["prompt"], True)
             else:
+                body.check_supported(self.api_options)
                 ids = await self.llm.run_off_loop(self._encode, body.prompt, add_special)
         except ValueError as exc:
             raise bad_request(exc) from None
@@ -401,15 +472,15 @@ class OpenAIServer:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, raw: Request):
         self._check(raw, body.model)
-        try:
-            params = body.sampling_params()
+        try:  # schemas are checked here: off the event loop
+            params = await self.llm.run_off_loop(body.sampling_params, self.api_options)
             prompts = body.prompts()
             if body.add_special_tokens is False or body.truncate_prompt_tokens is not None:
                 prompts = await self.llm.run_off_loop(lambda: [self._shape_prompt(p, body) for p in prompts])
         except (ValueError, ValidationError) as exc:
             raise bad_request(exc) from None
         rid = new_id("cmpl", body.request_id or raw.headers.get("x-request-id"))
-        requests = await self._requests(prompts, params, body.priority)
+        requests = await self._requests(prompts, params, body.priority, body.constraint)
         prompt_texts = None
         if body.echo:
             tokenizer = self.tokenizer
@@ -434,15 +505,20 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check(raw, body.model)
         try:
-            params = body.sampling_params()
-            prompt = await self.llm.render_chat(body.conversation(), chat_template=self.args.chat_template,
+            def prepare() -> tuple[Any, list[dict[str, Any]]]:  # schemas are checked here: off the event loop
+                params = body.sampling_params(self.api_options)
+                body.check_prompt_size(self.api_options.max_prompt_chars)
+                return params, body.conversation()
+
+            params, conversation = await self.llm.run_off_loop(prepare)
+            prompt = await self.llm.render_chat(conversation, chat_template=self.args.chat_template,
                                                 **body.render_kwargs())
             if body.add_special_tokens or body.truncate_prompt_tokens is not None:
                 prompt = await self.llm.run_off_loop(self._shape_prompt, prompt, body)
         except (ValueError, ValidationError) as exc:
             raise bad_request(exc) from None
         rid = new_id("chatcmpl", body.request_id or raw.headers.get("x-request-id"))
-        (request,) = await self._requests([prompt], params, body.priority)
+        (request,) = await self._requests([prompt], params, body.priority, body.constraint)
         stream = self._outputs(request)
         text = self._token_text(body)
         if not body.streaming:

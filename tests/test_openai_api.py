@@ -128,20 +128,22 @@ UNSUPPORTED = [
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
-    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "structural_tag"}}, "response_format"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}},
+     "structured_outputs.structural_tag"),
     ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "thinking_token_budget": 4}, "thinking_token_budget"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # this server has no --enable-auto-tool-choice: tools without tool_choice mean "auto" (vLLM)
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
-    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
-     "messages[0].tool_calls"),
 ]
 
 

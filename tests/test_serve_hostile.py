@@ -164,6 +164,16 @@ CHAT_BODIES = [
     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
     {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 10_000},
     {"messages": [{"role": "user", "content": "x"}], "n": MAX_N + 1},
+    {"messages": [{"role": "user", "content": "x"}], "tools": "all of them"},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"function": 5}},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f", "parameters": [1]}}],
+     "tool_choice": "required"},
+    {"messages": [{"role": "tool", "content": None}]},
+    {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}}},
+    {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"json": {"$ref": "#/" + "a/" * 5000}}},
+    {"messages": [{"role": "user", "content": "x"}], "guided_json": "[" * 100_000},
 ]
 
 

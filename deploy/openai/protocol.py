@@ -16,6 +16,7 @@ token, and with ``echo`` the prompt's tokens first); chat takes ``logprobs: bool
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -32,12 +33,18 @@ from openai.types.chat import (
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall
+from openai.types.chat.chat_completion_message_function_tool_call import Function as CalledToolFunction
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cluster.outputs import CompletionOutput, RequestOutput
+from deploy.openai.errors import RequestError, not_supported
+from deploy.openai.structured import Constraint, request_constraint
+from deploy.openai.tool_parsers import ToolCall, ToolCallDelta
+from deploy.openai.tools import ApiOptions, ToolPlan, parse_arguments
 from sampler.params import RequestOutputKind, SamplingParams, text_problem
 
 logger = logging.getLogger("raydecode")
@@ -45,18 +52,6 @@ logger = logging.getLogger("raydecode")
 #: A logprob of -inf (a token the processors banned) is sent as this, as vLLM and
 #: OpenAI do: JSON has no infinity.
 MIN_LOGPROB = -9999.0
-
-
-class RequestError(ValueError):
-    """A request the server cannot honour: HTTP 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def not_supported(field: str, why: str = "not supported yet") -> RequestError:
-    return RequestError(f"{field}: {why}", field)
 
 
 # -- hostile text ---------------------------------------------------------------------
@@ -134,6 +129,22 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema (under ``schema``) is enforced;
+    ``name``, ``description`` and ``strict`` are accepted (the output always follows
+    the schema, as if ``strict``)."""
+
+    name: str = Field(max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 # -- requests ---------------------------------------------------------------------------
 
 
@@ -176,16 +187,29 @@ class SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
+    # structured outputs: at most one of these constrains the output (see ``output_constraint``)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+    guided_json: Union[str, dict[str, Any]] | None = None  # vLLM's legacy fields (removed in vLLM 0.12)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the backend
     # known, not supported yet (see ``unsupported``)
     use_beam_search: bool = False
     logprob_token_ids: list[int] | None = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
     repetition_detection: dict[str, Any] | None = None
     watermarking: bool | None = None
 
     #: the ``add_special_tokens`` default of this endpoint (vLLM: True for completions)
     ADD_SPECIAL_TOKENS: ClassVar[bool] = True
+    #: the output's constraint, found by ``sampling_params`` (errors about it name it)
+    _constraint: Constraint | None = PrivateAttr(default=None)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        return self._constraint
 
     @property
     def num_samples(self) -> int:
@@ -208,10 +232,6 @@ class SamplingFields(OpenAIBaseModel):
             yield not_supported("use_beam_search", "beam search is not supported")
         if self.logprob_token_ids:
             yield not_supported("logprob_token_ids")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            yield not_supported("response_format", "structured outputs are not supported yet")
-        if self.structured_outputs is not None:
-            yield not_supported("structured_outputs", "structured outputs are not supported yet")
         if self.repetition_detection is not None:
             yield not_supported("repetition_detection")
         if self.watermarking:
@@ -223,9 +243,27 @@ class SamplingFields(OpenAIBaseModel):
         for error in self.unsupported():
             raise error
 
-    def sampling_params(self) -> SamplingParams:
-        """The one mapping from a request to ``SamplingParams``."""
+    def output_constraint(self, options: ApiOptions) -> Constraint | None:
+        """The constraint on the output the request asks for, with the field it came
+        from (``response_format``, ``structured_outputs`` or a ``guided_*`` field)."""
+        constraint, loose = request_constraint(self.response_format, self.structured_outputs, self._legacy_fields(),
+                                               options.structured_defaults)
+        if loose:
+            raise RequestError("structured_outputs sets only options; it must also set one of json, regex, choice, "
+                               "grammar, json_object (or go with response_format)", "structured_outputs")
+        return constraint
+
+    def _legacy_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                       "guided_grammar", "guided_whitespace_pattern")}
+
+    def sampling_params(self, options: ApiOptions | None = None) -> SamplingParams:
+        """The one mapping from a request to ``SamplingParams``; ``options`` are what
+        the server's configuration adds (structured-output defaults, tool parser)."""
         self.check_supported()
+        options = options or ApiOptions()
+        constraint = self.output_constraint(options)
+        self._constraint = constraint
         fields: dict[str, Any] = {
             "n": self.num_samples, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
@@ -252,11 +290,20 @@ class SamplingFields(OpenAIBaseModel):
                     raise RequestError(f"logit_bias keys must be token ids, got {printable(key)[:64]!r}", "logit_bias") from None
             fields["logit_bias"] = bias
         fields.update(self._endpoint_params())
+        if constraint is not None:
+            fields["structured_outputs"] = constraint.spec
+        fields.update(self._tool_params())
         try:
             return SamplingParams(**fields)
         except ValueError as exc:  # SamplingParams names the field first
+            named = constraint.explain(exc) if constraint is not None else None
+            if named is not None:
+                raise RequestError(*named) from None
             name = str(exc).split(" ", 1)[0]
             raise RequestError(str(exc), name if name in fields else None) from None
+
+    def _tool_params(self) -> dict[str, Any]:
+        return {}
 
     def _endpoint_params(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -313,21 +360,89 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+#: Longest tool (function) name accepted (OpenAI's own limit is 64).
+MAX_TOOL_NAME_CHARS = 256
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked against its meta-schema)
+    strict: bool | None = None  # accepted; a named or required call always follows the schema
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class CalledFunction(OpenAIBaseModel):
+    name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
+    arguments: Union[str, dict[str, Any]] | None = None  # a JSON string (OpenAI) or an object
+
+
+class MessageToolCall(OpenAIBaseModel):
+    """A call in an assistant message of the conversation so far."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None  # null only for an assistant message
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
+
+    @model_validator(mode="after")
+    def _fits_role(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (only an assistant message may have null)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        return self
 
     def text(self) -> str:
         # Text parts joined by newlines, as vLLM renders them for string templates.
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
-    def as_template_message(self) -> dict[str, str]:
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it; tool call arguments as dicts (what
+        transformers' templates expect), as vLLM passes them."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:  # an empty list is left out, as vLLM does
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+    def extra_chars(self) -> int:
+        """Characters this message adds to the prompt beyond its text (its calls)."""
+        total = 0
+        for c in self.tool_calls or ():
+            arguments = c.function.arguments
+            total += len(c.function.name) + (len(arguments) if isinstance(arguments, str) else
+                                             len(json.dumps(arguments)) if arguments else 0)
+        return total
 
 
 class ChatFields(OpenAIBaseModel):
@@ -341,31 +456,47 @@ class ChatFields(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
 
     ADD_SPECIAL_TOKENS: ClassVar[bool] = False  # the template adds them (vLLM's default)
+    #: what the request's tools mean (``ChatCompletionRequest.sampling_params`` decides)
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     def chat_unsupported(self) -> Iterator[RequestError]:
-        if self.tools is not None:
-            yield not_supported("tools", "tool calling is not supported yet")
         if self.chat_template is not None:
             yield not_supported("chat_template", "a chat template from the request is not accepted; "
                                                  "the server's own is used")
-        for i, m in enumerate(self.messages):
-            if m.tool_calls is not None:
-                yield not_supported(f"messages[{i}].tool_calls", "tool calling is not supported yet")
         if self.continue_final_message and self.add_generation_prompt:
             yield RequestError("continue_final_message and add_generation_prompt cannot both be true",
                                "continue_final_message")
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [m.as_template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools=`` for the chat template (OpenAI's shape, as transformers expects)."""
+        if self._tool_plan is not None:
+            return self._tool_plan.template_tools()
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def check_prompt_size(self, max_chars: int | None) -> None:
+        """Tools and call arguments that alone cannot fit the prompt are refused
+        before the template spends any time on them (messages' text is checked by
+        the renderer)."""
+        if max_chars is None:
+            return
+        tools = self.template_tools()
+        size = sum(m.extra_chars() for m in self.messages) + (len(json.dumps(tools)) if tools else 0)
+        if size > max_chars:
+            raise RequestError(f"tools: the tools and tool calls ({size} characters) are too long for a prompt of "
+                               f"at most {max_chars} characters", "tools")
 
     def render_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncLLM.render_chat`` (besides the template)."""
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message or None,
-                "chat_template_kwargs": self.template_kwargs(), "documents": self.documents}
+                "chat_template_kwargs": self.template_kwargs(), "documents": self.documents,
+                "tools": self.template_tools()}
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs
@@ -383,19 +514,50 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
     top_logprobs: int | None = None
     echo: bool = False  # vLLM: the answer starts with the last message when it has the answer's role
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    tool_choice: Any = None
+    #: "none", "auto" (the default with tools), "required", or {"type": "function", "function": {"name": ...}}
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # vLLM's field; nothing to do without tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
+                             f"got {printable(value)[:64]!r}")
+        return value
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        """What the tools mean (decided by ``sampling_params``)."""
+        return self._tool_plan if self._tool_plan is not None else ToolPlan("none")
+
+    def output_constraint(self, options: ApiOptions) -> Constraint | None:
+        """The request's own constraint, or the one a named function or "required"
+        needs (both at once: a 400)."""
+        constraint, loose = request_constraint(self.response_format, self.structured_outputs, self._legacy_fields(),
+                                               options.structured_defaults)
+        self._tool_plan = plan = ToolPlan.of(self, options)
+        constraint = plan.constraint(constraint, loose, options.structured_defaults)
+        if loose and constraint is None:
+            raise RequestError("structured_outputs sets only options; it must also set one of json, regex, choice, "
+                               "grammar, json_object (or go with response_format or a tool_choice)",
+                               "structured_outputs")
+        return constraint
+
+    def _tool_params(self) -> dict[str, Any]:
+        # vLLM's hermes parser keeps special tokens: some models' <tool_call> is one
+        if self.tool_plan.mode == "auto" and self.tool_plan.parser == "hermes":
+            return {"skip_special_tokens": False}
+        return {}
 
     def unsupported(self) -> Iterator[RequestError]:
         yield from super().unsupported()
         yield from self.chat_unsupported()
-        if self.tool_choice not in (None, "none"):
-            yield not_supported("tool_choice", "tool calling is not supported yet")
         if self.functions is not None or self.function_call is not None:
             yield not_supported("functions" if self.functions is not None else "function_call",
-                                "function calling is not supported yet")
+                                "the legacy function calling fields are not supported; use tools and tool_choice")
         top = self.top_logprobs
         if top is not None and (top > 0 or top == -1) and not self.logprobs:
             yield RequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -447,12 +609,14 @@ class TokenizeRequest(ChatFields):
             return self.add_special_tokens
         return self.messages is None  # vLLM: True for a prompt, False for messages
 
-    def check_supported(self) -> None:
+    def check_supported(self, options: ApiOptions | None = None) -> None:
         if self.messages is not None:
             for error in self.chat_unsupported():
                 raise error
+            if self.tools is not None:
+                ToolPlan.check_tools(self.tools, options or ApiOptions())
         elif self.tools is not None:
-            raise not_supported("tools", "tool calling is not supported yet")
+            raise RequestError("tools: only with messages (they are rendered by the chat template)", "tools")
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -639,13 +803,51 @@ def chat_logprobs(c: CompletionOutput, top: int, text: TokenText) -> ChoiceLogpr
     return ChoiceLogprobs(content=content)
 
 
+def _message_tool_calls(calls: list[ToolCall]) -> list[ChatCompletionMessageFunctionToolCall]:
+    return [ChatCompletionMessageFunctionToolCall.model_construct(
+        id=c.id, type="function", function=CalledToolFunction.model_construct(name=c.name, arguments=c.arguments))
+        for c in calls]
+
+
+def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[ChoiceDeltaToolCall]:
+    """Stream pieces of calls, one entry per call index (the pieces of one index in
+    one chunk joined: the first carries id, type and name)."""
+    merged: dict[int, ToolCallDelta] = {}
+    for d in deltas:
+        if d.index in merged:
+            merged[d.index].arguments += d.arguments
+        else:
+            merged[d.index] = ToolCallDelta(d.index, d.arguments, d.id, d.name)
+    out = []
+    for d in merged.values():
+        if d.id is not None:
+            function = ChoiceDeltaToolCallFunction.model_construct(name=d.name, arguments=d.arguments)
+            out.append(ChoiceDeltaToolCall.model_construct(index=d.index, id=d.id, type="function", function=function))
+        else:
+            function = ChoiceDeltaToolCallFunction.model_construct(arguments=d.arguments)
+            out.append(ChoiceDeltaToolCall.model_construct(index=d.index, function=function))
+    return out
+
+
 def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletionRequest, text: TokenText) -> ChatCompletion:
     top, role, echo = body.top_logprobs or 0, body.response_role(), body.echo_text()
+    plan = body.tool_plan
     choices = []
     for c in out.outputs:
+        finish_reason = c.finish_reason
+        message = ChatCompletionMessage.model_construct(role=role, content=echo + c.text)
+        if plan.parses:
+            content, calls = plan.parser_for_choice().parse(c.text)
+            finish_reason = plan.finish_reason(c.finish_reason, bool(calls))
+            if calls:
+                content = echo + content if content else (echo or plan.empty_content())
+                message = ChatCompletionMessage.model_construct(role=role, content=content,
+                                                                tool_calls=_message_tool_calls(calls))
+            else:
+                message = ChatCompletionMessage.model_construct(role=role, content=echo + content)
         fields: dict[str, Any] = {
-            "index": c.index, "message": ChatCompletionMessage.model_construct(role=role, content=echo + c.text),
-            "finish_reason": c.finish_reason, "logprobs": chat_logprobs(c, top, text), "stop_reason": c.stop_reason,
+            "index": c.index, "message": message,
+            "finish_reason": finish_reason, "logprobs": chat_logprobs(c, top, text), "stop_reason": c.stop_reason,
         }
         if body.return_token_ids:
             fields["token_ids"] = list(c.token_ids)
@@ -665,6 +867,9 @@ class ChatChunks:
 
     def __init__(self, rid: str, model: str, body: ChatCompletionRequest, text: TokenText) -> None:
         self.rid, self.model, self.body, self.text = rid, model, body, text
+        plan = body.tool_plan
+        self.plan = plan if plan.parses else None
+        self.parsers = [plan.parser_for_choice() for _ in range(body.num_samples)] if self.plan else []
         self.created = int(time.time())
         self.started = False
         self.prompt_tokens = 0
@@ -700,15 +905,40 @@ class ChatChunks:
                                                                           finish_reason=None), i))
         for c in out.outputs:
             self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
+            logprobs = chat_logprobs(c, body.top_logprobs or 0, self.text)
+            delta, finish_reason = ChoiceDelta.model_construct(content=c.text), c.finish_reason
+            if self.plan is not None:
+                delta, finish_reason = self._parsed_delta(c)
+                if delta is None:
+                    if c.finish_reason is None and logprobs is None and not body.return_token_ids:
+                        continue  # nothing to send yet (text held back by the parser)
+                    delta = ChoiceDelta.model_construct()
             fields: dict[str, Any] = {
-                "index": c.index, "delta": ChoiceDelta.model_construct(content=c.text),
-                "finish_reason": c.finish_reason, "logprobs": chat_logprobs(c, body.top_logprobs or 0, self.text),
+                "index": c.index, "delta": delta,
+                "finish_reason": finish_reason, "logprobs": logprobs,
                 "stop_reason": c.stop_reason,
             }
             if body.return_token_ids:
                 fields["token_ids"] = list(c.token_ids)
             chunks.append(self._chunk(ChunkChoice.model_construct(**fields), c.index))
         return chunks
+
+    def _parsed_delta(self, c: CompletionOutput) -> tuple[ChoiceDelta | None, str | None]:
+        """A choice's delta through its tool call parser (None: nothing to send), and
+        its finish reason."""
+        parser = self.parsers[c.index]
+        content, deltas = parser.feed(c.text)
+        finish_reason = c.finish_reason
+        if finish_reason is not None:
+            more, last = parser.finish()
+            content, deltas = content + more, deltas + last
+            finish_reason = self.plan.finish_reason(finish_reason, bool(parser.calls))
+        fields: dict[str, Any] = {}
+        if content:
+            fields["content"] = content
+        if deltas:
+            fields["tool_calls"] = _delta_tool_calls(deltas)
+        return (ChoiceDelta.model_construct(**fields) if fields else None), finish_reason
 
     def total_usage(self) -> CompletionUsage:
         done = sum(self.tokens.values())

@@ -1,0 +1,462 @@
+"""Tool calls out of generated text, whole or streamed: one parser object per choice,
+fed the text as it comes (``feed``) and told when it ends (``finish``). Both return
+``(content, tool call deltas)``; a non-streamed answer is ``feed(text)`` then
+``finish()``, so a stream and a whole answer give the same calls by construction,
+wherever the text was split.
+
+- ``PlainParser``: no tool calls (no tools, or ``tool_choice: "none"``).
+- ``NamedFunctionParser``: ``tool_choice`` names a function; the grammar made the whole
+  output that function's arguments object.
+- ``RequiredCallsParser``: ``tool_choice: "required"``; the grammar made the output a
+  JSON array of ``{"name", "parameters"}`` objects (vLLM's format).
+- ``HermesToolParser`` (``--tool-call-parser hermes``) and ``Llama3JsonToolParser``
+  (``llama3_json``): ``tool_choice: "auto"``, the model's own format, which nothing
+  constrained, so anything malformed stays content.
+
+Named and required calls stream as vLLM streams them: the first delta of a call
+carries its id, type and name (and any arguments so far), later ones argument text as
+it is generated; the grammar guarantees the text is valid. A parsed ("auto") call is
+sent whole once it is closed, never half: until then it may still turn out malformed,
+and then its text is content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def new_tool_call_id() -> str:
+    """vLLM's tool call ids."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one tool call: the first piece of a call has ``id`` and ``name``."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+Emitted = tuple[str, list[ToolCallDelta]]
+
+
+def _overlap(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``marker``
+    (text that may yet become the marker, held back while streaming)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+@dataclass
+class ToolCallParser:
+    """The accumulated result (``content``, ``calls``) of what was emitted so far; the
+    subclasses decide what to emit."""
+
+    #: whether calls after the first are dropped (``parallel_tool_calls: false``)
+    single_call: bool = False
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    finished: bool = False
+
+    name: ClassVar[str] = "plain"
+
+    def feed(self, text: str) -> Emitted:
+        raise NotImplementedError
+
+    def finish(self) -> Emitted:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole output: its content and its calls."""
+        self.feed(text)
+        self.finish()
+        return self.content, self.calls
+
+    def _emit(self, content: str, deltas: list[ToolCallDelta]) -> Emitted:
+        if self.single_call:
+            deltas = [d for d in deltas if d.index == 0]
+        self.content += content
+        for d in deltas:
+            if d.index == len(self.calls):
+                self.calls.append(ToolCall(d.id or new_tool_call_id(), d.name or "", d.arguments))
+            else:
+                self.calls[d.index].arguments += d.arguments
+        return content, deltas
+
+
+class PlainParser(ToolCallParser):
+    def feed(self, text: str) -> Emitted:
+        return self._emit(text, [])
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        return "", []
+
+
+@dataclass
+class NamedFunctionParser(ToolCallParser):
+    """The whole output is the named function's arguments (whitespace around the
+    object dropped)."""
+
+    function: str = ""
+    _pending: str = ""
+    _started: bool = False
+
+    def feed(self, text: str) -> Emitted:
+        text = self._pending + text
+        if not self._started:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._pending = text[len(body):]
+        if not body:
+            return self._emit("", [])
+        if self._started:
+            return self._emit("", [ToolCallDelta(0, body)])
+        self._started = True
+        return self._emit("", [ToolCallDelta(0, body, new_tool_call_id(), self.function)])
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        return self._emit("", [])
+
+
+@dataclass
+class _Element:
+    """One ``{"name": ..., "parameters": ...}`` object of the required-calls array:
+    offsets into the text, known as soon as the scan reaches them."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+    sent: int | None = None  # offset up to which its arguments were emitted
+    index: int | None = None  # its call index once announced
+
+
+# Scan states for the values of an element object.
+_KEY, _COLON, _VALUE, _STRING, _CONTAINER, _SCALAR, _AFTER = range(7)
+
+
+@dataclass
+class RequiredCallsParser(ToolCallParser):
+    """``[{"name": "f", "parameters": {...}}, ...]``, scanned once, character by
+    character, as it arrives: a call is announced when its name is complete and its
+    parameters have started, then its parameters' text streams as generated. Only the
+    element level is interpreted; strings and nesting inside values are skipped."""
+
+    _text: str = ""
+    _pos: int = 0
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+    _string_start: int = 0
+    _elements: list[_Element] = field(default_factory=list)
+    _cur: _Element | None = None
+    _state: int = _KEY
+    _key: str | None = None
+    _value_start: int = 0
+    _done: bool = False  # the array closed (or the text is not an array): the rest is ignored
+
+    def _end_value(self, end: int) -> None:
+        cur = self._cur
+        if self._key == "parameters":
+            cur.args_end = end
+        elif self._key == "name" and self._state == _STRING:
+            try:
+                name = json.loads(self._text[self._value_start:end])
+                cur.name = name if isinstance(name, str) else None
+            except ValueError:
+                cur.name = None
+        self._state = _AFTER
+
+    def _start_value(self, pos: int, state: int) -> None:
+        self._value_start = pos
+        if self._key == "parameters":
+            self._cur.args_start = pos
+        self._state = state
+
+    def _scan(self) -> None:
+        text = self._text
+        for i in range(self._pos, len(text)):
+            if self._done:
+                break
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+                    if self._depth == 2 and self._cur is not None:
+                        if self._state == _KEY:
+                            self._key = text[self._string_start + 1:i]
+                            self._state = _COLON
+                        elif self._state == _STRING:
+                            self._end_value(i + 1)
+                continue
+            if ch == '"':
+                self._in_string, self._string_start = True, i
+                if self._depth == 2 and self._cur is not None and self._state == _VALUE:
+                    self._start_value(i, _STRING)
+            elif ch in "{[":
+                if self._depth == 0 and ch != "[" or self._depth == 1 and ch != "{":
+                    self._done = True
+                    break
+                if self._depth == 1:
+                    self._cur = _Element()
+                    self._elements.append(self._cur)
+                    self._state, self._key = _KEY, None
+                elif self._depth == 2 and self._cur is not None and self._state == _VALUE:
+                    self._start_value(i, _CONTAINER)
+                self._depth += 1
+            elif ch in "}]":
+                if self._depth == 2 and self._cur is not None and self._state == _SCALAR:
+                    self._end_value(i)
+                self._depth -= 1
+                if self._depth == 2 and self._cur is not None and self._state == _CONTAINER:
+                    self._end_value(i + 1)
+                elif self._depth == 1:
+                    self._cur = None
+                elif self._depth <= 0:
+                    self._done = True
+            elif self._depth == 2 and self._cur is not None:
+                if ch == ":":
+                    if self._state == _COLON:
+                        self._state = _VALUE
+                elif ch == ",":
+                    if self._state == _SCALAR:
+                        self._end_value(i)
+                    self._state, self._key = _KEY, None
+                elif ch.isspace():
+                    if self._state == _SCALAR:
+                        self._end_value(i)
+                elif self._state == _VALUE:
+                    self._start_value(i, _SCALAR)
+        self._pos = len(text)
+
+    def _deltas(self) -> list[ToolCallDelta]:
+        deltas = []
+        for element in self._elements:
+            if element.name is None or element.args_start is None:
+                break  # elements come in order: nothing later is ready either
+            end = element.args_end if element.args_end is not None else len(self._text)
+            if element.index is None:
+                element.index = len(self.calls) + sum(1 for d in deltas if d.id is not None)
+                deltas.append(ToolCallDelta(element.index, self._text[element.args_start:end], new_tool_call_id(),
+                                            element.name))
+            elif end > element.sent:
+                deltas.append(ToolCallDelta(element.index, self._text[element.sent:end]))
+            element.sent = end
+        return deltas
+
+    def feed(self, text: str) -> Emitted:
+        self._text += text
+        self._scan()
+        return self._emit("", self._deltas())
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        return self._emit("", [])
+
+
+@dataclass
+class HermesToolParser(ToolCallParser):
+    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+    any number of them, with text around. Text streams as content until a start tag
+    could begin (a partial ``<tool_call`` is held back); a call is parsed when its end
+    tag arrives (or the output ends): a JSON object with a string ``name`` and an
+    object ``arguments`` (or ``parameters``) becomes a call, anything else stays
+    content, tags included. The whitespace around calls is dropped, except that
+    content resuming after calls is separated from the content before them by the
+    whitespace that preceded the first of those calls; an output without calls keeps
+    its text exactly."""
+
+    name: ClassVar[str] = "hermes"
+    START: ClassVar[str] = "<tool_call>"
+    END: ClassVar[str] = "</tool_call>"
+
+    _buf: str = ""
+    _in_call: bool = False
+    _searched: int = 0  # in a call: how much of the buffer is known to hold no end tag
+    _pending_ws: str = ""  # trailing whitespace of the content, held back
+    _after_call: bool = False  # content right after a call drops its leading whitespace
+    _ws_before_call: str = ""
+    _separator: str = ""  # what goes between the content before calls and the content after
+    _had_content: bool = False
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._after_call = False
+            text, self._separator = self._separator + text, ""
+        text = self._pending_ws + text
+        body = text.rstrip()
+        self._pending_ws = text[len(body):]
+        self._had_content = self._had_content or bool(body)
+        return body
+
+    def _call(self, body: str, closed: bool) -> tuple[str, list[ToolCallDelta]]:
+        """A call's deltas, or (its raw text as content, []) when it is malformed."""
+        parsed = _parse_call(body.strip(), ("arguments", "parameters"))
+        if parsed is None:
+            self._pending_ws = self._ws_before_call
+            raw = self.START + body + (self.END if closed else "")
+            return self._content(raw), []
+        if not self._after_call:
+            self._separator = self._ws_before_call if self._had_content else ""
+        self._after_call = True
+        index = len(self.calls)
+        return "", [ToolCallDelta(index, parsed[1], new_tool_call_id(), parsed[0])]
+
+    def feed(self, text: str) -> Emitted:
+        self._buf += text
+        content, deltas = "", []
+        while True:
+            if not self._in_call:
+                start = self._buf.find(self.START)
+                if start < 0:
+                    keep = _overlap(self._buf, self.START)
+                    content += self._content(self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    break
+                content += self._content(self._buf[:start])
+                self._ws_before_call, self._pending_ws = self._pending_ws, ""
+                self._buf = self._buf[start + len(self.START):]
+                self._in_call, self._searched = True, 0
+            else:
+                end = self._buf.find(self.END, self._searched)
+                if end < 0:
+                    self._searched = max(0, len(self._buf) - len(self.END) + 1)
+                    break
+                body, self._buf = self._buf[:end], self._buf[end + len(self.END):]
+                self._in_call = False
+                more, new = self._call(body, closed=True)
+                content, deltas = content + more, deltas + self._renumber(new, deltas)
+        return self._emit(content, deltas)
+
+    def _renumber(self, new: list[ToolCallDelta], before: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        for d in new:  # calls announced earlier in this same feed are not in self.calls yet
+            d.index += sum(1 for b in before if b.id is not None)
+        return new
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        if self._in_call:
+            content, deltas = self._call(self._buf, closed=False)
+        else:
+            content, deltas = self._content(self._buf), []
+        self._buf = ""
+        if not self.calls and not deltas:
+            content += self._pending_ws  # no calls: the text exactly as generated
+        self._pending_ws = ""
+        return self._emit(content, deltas)
+
+
+@dataclass
+class Llama3JsonToolParser(ToolCallParser):
+    """Llama 3.1 / 3.2 / 3.3 JSON tool calls: the output is
+    ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally after
+    ``<|python_tag|>``, several separated by ``;``. An output that starts otherwise is
+    content and streams as such; one that starts like a call is held until it ends
+    and then parsed: leading objects that are calls become calls, text after them
+    content; if the first is not a call, all of it is content."""
+
+    name: ClassVar[str] = "llama3_json"
+    TAG: ClassVar[str] = "<|python_tag|>"
+
+    _buf: str = ""
+    _mode: str = "deciding"  # then "content" or "json"
+
+    def feed(self, text: str) -> Emitted:
+        if self._mode == "content":
+            return self._emit(text, [])
+        self._buf += text
+        if self._mode == "deciding":
+            head = self._buf.lstrip()
+            if not head or (self.TAG.startswith(head) and len(head) < len(self.TAG)):
+                return self._emit("", [])
+            if head.startswith(self.TAG) or head.startswith("{"):
+                self._mode = "json"
+                return self._emit("", [])
+            self._mode, out, self._buf = "content", self._buf, ""
+            return self._emit(out, [])
+        return self._emit("", [])
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        text, self._buf = self._buf, ""
+        if self._mode != "json":
+            return self._emit(text, [])
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):]
+        decoder, pos, deltas = json.JSONDecoder(), 0, []
+        while True:
+            while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+                pos += 1
+            if pos >= len(body):
+                break
+            try:
+                obj, end = decoder.raw_decode(body, pos)
+            except (ValueError, RecursionError):
+                break
+            parsed = _parse_call(obj, ("parameters", "arguments"))
+            if parsed is None:
+                break
+            deltas.append(ToolCallDelta(len(deltas), parsed[1], new_tool_call_id(), parsed[0]))
+            pos = end
+        if not deltas:
+            return self._emit(text, [])
+        return self._emit(body[pos:].strip(), deltas)
+
+
+def _parse_call(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call object (or its JSON text), or None
+    when it is not one: a string ``name`` and an object under one of
+    ``argument_keys`` (a JSON string holding an object is taken as it is)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    key = next((k for k in argument_keys if k in value), None)
+    arguments = {} if key is None else value[key]
+    if isinstance(arguments, str):
+        try:
+            if isinstance(json.loads(arguments), dict):
+                return value["name"], arguments
+        except (ValueError, RecursionError):
+            pass
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return value["name"], json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+
+
+#: ``--tool-call-parser`` names (vLLM's) -> parser classes.
+TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
