@@ -60,6 +60,8 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     #: CPU: run linear layers with prepacked oneDNN weights (faster; off: plain F.linear)
     cpu_packed_linear: bool = True
+    #: CPU: decode attention with the compiled paged kernel (off: gather the blocks + SDPA)
+    cpu_attention_kernel: bool = True
     #: custom logits processors, as "module:Qualname" (server configuration only)
     logits_processors: list[str] = field(default_factory=list)
     #: text of the token that opens a reasoning section (thinking_token_budget)
@@ -165,7 +167,7 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_spec_tokens=self.num_spec_tokens, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
             max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
-            cpu_packed_linear=self.cpu_packed_linear,
+            cpu_packed_linear=self.cpu_packed_linear, cpu_attention_kernel=self.cpu_attention_kernel,
             logits_processors=list(self.logits_processors),
             reasoning_start=self.reasoning_start, reasoning_end=self.reasoning_end,
             seed=self.seed, trust_remote_code=self.trust_remote_code,

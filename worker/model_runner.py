@@ -82,6 +82,10 @@ class ModelRunner:
         per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, loaded.dtype)
         num_blocks = self._num_kv_blocks(config, per_block, rows, max_len, loaded)
         self.kv = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, loaded.dtype, self.device)
+        if self.device.type == "cpu" and config.cpu_attention_kernel:
+            from worker.paged_attention import enable
+
+            enable()
         logger.warning(
             "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs,
             num_blocks * per_block / 2**30,

@@ -102,6 +102,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     reasoning_end: str | None = None
     #: CPU only: run linear layers with prepacked oneDNN weights (worker/cpu_linear.py).
     cpu_packed_linear: bool = True
+    #: CPU only: decode attention with the paged kernel (worker/paged_attention.cpp);
+    #: off, or where it cannot be built: the torch path (gather + SDPA)
+    cpu_attention_kernel: bool = True
     #: CPU threads for torch; None: the CPUs Ray assigned to the actor (else torch's default).
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     seed: int = 0  # the global stream that unseeded random rows draw from

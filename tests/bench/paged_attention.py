@@ -1,0 +1,95 @@
+"""What one layer's decode attention costs through the paged KV cache.
+
+Run: ``python tests/bench/paged_attention.py [--quick]``. SmolLM2-135M's attention
+shape (9 query heads, 3 KV heads, head dim 64, float32), a decode batch of 64 rows, each
+row ``L`` tokens deep, blocks of 16 scattered over the pool:
+
+- kernel: the compiled CPU kernel (``worker/paged_attention.cpp``) reading the blocks in
+  place;
+- gather: the torch path (``worker/kv_cache._batched_by_gathering``: copy each row's
+  blocks out of the pool, then one SDPA call), the reference and the fallback;
+- dense: SDPA over keys already contiguous per row (``[B, kv_heads, L, D]``), which is
+  what the pre-paged cache gave the attention; the floor of the layout we left.
+
+Medians of interleaved rounds on torch's default threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _results import Row, emit  # noqa: E402
+from _timing import time_side_by_side  # noqa: E402
+
+from worker.kv_cache import AttentionPlan, PagedKVCache, _batched_by_gathering  # noqa: E402
+from worker.paged_attention import CpuPagedKernel, load  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+
+
+def cases(batch: int, depth: int, kernel: CpuPagedKernel) -> dict:
+    rng = np.random.default_rng(0)
+    blocks_per_row = -(-depth // BLOCK)
+    num_blocks = batch * blocks_per_row + 8
+    cache = PagedKVCache(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    cache.keys[0].normal_()
+    cache.values[0].normal_()
+    # Scattered blocks, as a pool that has served a while hands them out.
+    table = rng.permutation(num_blocks)[: batch * blocks_per_row].astype(np.int32).reshape(batch, blocks_per_row)
+    lens = np.full(batch, depth)
+    plan = AttentionPlan.build(cache, np.arange(batch), lens - 1, np.ones(batch, np.int64), table, torch.device("cpu"))
+    q = torch.randn(batch, HEADS, DIM)
+    scale = DIM**-0.5
+    k_dense = torch.randn(batch, KV_HEADS, depth, DIM)
+    v_dense = torch.randn(batch, KV_HEADS, depth, DIM)
+    q_dense = q.view(batch, HEADS, 1, DIM)
+    k_pool, v_pool = cache.keys[0], cache.values[0]
+    out = {
+        "gather": (lambda: _batched_by_gathering(q, k_pool, v_pool, plan, scale, None, None), None),
+        "dense": (lambda: F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=scale, enable_gqa=True), None),
+    }
+    if kernel is not None:
+        out["kernel"] = (lambda: kernel.run(q, k_pool, v_pool, plan, scale, None, None), None)
+        # The kernel and the torch path agree before anything is timed.
+        ref = _batched_by_gathering(q, k_pool, v_pool, plan, scale, None, None)
+        got = kernel.run(q, k_pool, v_pool, plan, scale, None, None)
+        assert torch.allclose(ref, got, atol=1e-4, rtol=1e-4), (ref - got).abs().max()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, fewer depths")
+    args = ap.parse_args()
+    module = load()
+    kernel = CpuPagedKernel(module) if module is not None else None
+    depths = (128, 512) if args.quick else (128, 512, 2048)
+    batch = 64
+    rows: list[Row] = []
+    print(f"decode attention, one layer, batch {batch}, {HEADS}/{KV_HEADS} heads, dim {DIM}, "
+          f"{torch.get_num_threads()} threads (median ms)")
+    print(f"{'depth':>6} {'kernel':>8} {'gather':>8} {'dense':>8}  kernel vs gather  kernel vs dense")
+    for depth in depths:
+        t = time_side_by_side(cases(batch, depth, kernel), warmup=3, repeat=7 if args.quick else 21)
+        k = t.get("kernel")
+        ks = f"{k * 1e3:8.2f}" if k else "     n/a"
+        print(f"{depth:>6} {ks} {t['gather'] * 1e3:8.2f} {t['dense'] * 1e3:8.2f}  "
+              + (f"{t['gather'] / k:15.1f}x {t['dense'] / k:15.1f}x" if k else ""))
+        if k:
+            rows.append(Row(f"decode attention b{batch} depth {depth}, kernel vs gather+SDPA",
+                            f"{k * 1e3:.2f} ms", f"{t['gather'] * 1e3:.2f} ms", f"{t['gather'] / k:.1f}x"))
+            rows.append(Row(f"decode attention b{batch} depth {depth}, kernel vs dense SDPA",
+                            f"{k * 1e3:.2f} ms", f"{t['dense'] * 1e3:.2f} ms", f"{t['dense'] / k:.1f}x",
+                            "paged no slower than dense", k <= t["dense"] * 1.1))
+    emit("paged_attention", rows, notes=[] if kernel else ["the kernel could not be built: only the torch path ran"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+// Paged attention for short queries (decodes, speculative verification) on CPU.
+//
+// For row b and KV head h, the row's queries (q_lens[b] of them, the last ones of its
+// kv_lens[b] positions, each with G = heads / kv_heads query heads) attend to the row's
+// keys and values where they live: in the pool blocks its block table names
+// (pool layout [num_blocks, kv_heads, block_size, head_dim]); nothing is gathered.
+// One task per row, run on ATen's thread pool (the same threads as torch's ops, so
+// torch.set_num_threads sizes it). Within a task the keys are read block by block
+// (every KV head of a block together: one contiguous run), once, with an online softmax
+// (running max, sum and weighted values per query), the next block prefetched; each key
+// and value is touched exactly once from memory. The hot loops use AVX2/FMA where the
+// build has them (the loader builds for the CPU it runs on), plain loops elsewhere.
+//
+// Masking: query j of row b sits at position p = kv_lens[b] - q_lens[b] + j and sees
+// keys at positions <= p, and with a sliding window W only keys > p - W (transformers'
+// rule). Soft-capping (Gemma 2): score = softcap * tanh(score / softcap).
+// Accumulation is in float; pools and queries are float32 or bfloat16.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp for the softmax, written so the compiler vectorizes loops over it: Cody-Waite
+// range reduction and a degree-6 polynomial (relative error below 2e-7 over the float
+// range; exp(-inf) = 0).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.33654f);
+  x = std::min(x, 88.72283f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp over 8 lanes: the same reduction and polynomial as fast_exp.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.72283f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehl_ps(sh, s)));
+}
+#endif
+
+// q . k over d (D a multiple of 8 on the vector path).
+inline float dot(const float* q, const float* k, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+    }
+    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+    return hsum8(_mm256_add_ps(a0, a1));
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * k[d];
+  return s;
+}
+
+// out[t] = q . k[t] for the n keys of a block (rows of k D apart): eight keys at a time
+// on the vector path (eight independent FMA chains, their sums reduced together).
+inline void block_scores(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (; t + 8 <= n; t += 8) {
+      const float* kt = k + t * D;
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + i * D + d), a[i]);
+      }
+      const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+      const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+      const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+      _mm256_storeu_ps(out + t, _mm256_add_ps(lo, hi));
+    }
+  }
+#endif
+  for (; t < n; ++t) out[t] = dot(q, k + t * D, D);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[0:8C] = acc * corr + sum_t w[t] * v[t, 0:8C] (rows of v `stride` apart): C
+// accumulators stay in registers over the positions, C independent FMA chains.
+template <int C>
+inline void weighted_add_chunks(float* acc, __m256 corr, const float* w, const float* v, int64_t n, int64_t stride) {
+  __m256 a[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), corr);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 wt = _mm256_set1_ps(w[t]);
+    const float* vt = v + t * stride;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vt + 8 * c), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+#endif
+
+// acc[0:D] = acc * corr + sum_t w[t] * v[t, 0:D], 64 columns at a time.
+inline void weighted_add(float* acc, float corr, const float* w, const float* v, int64_t n, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      switch (std::min<int64_t>(64, D - d0) / 8) {
+        case 8: weighted_add_chunks<8>(acc + d0, c, w, v + d0, n, D); break;
+        case 7: weighted_add_chunks<7>(acc + d0, c, w, v + d0, n, D); break;
+        case 6: weighted_add_chunks<6>(acc + d0, c, w, v + d0, n, D); break;
+        case 5: weighted_add_chunks<5>(acc + d0, c, w, v + d0, n, D); break;
+        case 4: weighted_add_chunks<4>(acc + d0, c, w, v + d0, n, D); break;
+        case 3: weighted_add_chunks<3>(acc + d0, c, w, v + d0, n, D); break;
+        case 2: weighted_add_chunks<2>(acc + d0, c, w, v + d0, n, D); break;
+        default: weighted_add_chunks<1>(acc + d0, c, w, v + d0, n, D); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < D; ++d) acc[d] += w[t] * v[t * D + d];
+}
+
+// s[0:n] = exp(s - m) in place (masked entries hold -inf and become 0); returns the sum.
+inline float exp_and_sum(float* s, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; t < n; ++t) {
+    const float e = fast_exp(s[t] - m);
+    s[t] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+struct Shapes {
+  int64_t Q, HQ, HKV, G, D, BS, MAXNB, window;
+  float scale, softcap;
+};
+
+// Per-thread buffers: the row's queries (scaled, float), outputs, running max and sum,
+// one block's scores, and one block of keys and values as float (bf16 pools).
+struct Scratch {
+  std::vector<float> qf, acc, m, l, s, kf, vf;
+  explicit Scratch(const Shapes& z)
+      : qf(z.Q * z.HQ * z.D), acc(z.Q * z.HQ * z.D), m(z.Q * z.HQ), l(z.Q * z.HQ), s(z.Q * z.HQ * z.BS),
+        kf(z.HKV * z.BS * z.D), vf(z.HKV * z.BS * z.D) {}
+};
+
+// One row: its nq queries (every query head) against its keys, block by block, every
+// KV head of a block together (one block is a contiguous [kv_heads, block, dim] run),
+// the next block prefetched while this one is computed.
+template <typename T>
+void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
+                int64_t b, int64_t nq, int64_t ctx, const Shapes& z, Scratch& w) {
+  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, HKV = z.HKV;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t first = ctx - nq;  // position of the row's first query
+  const int64_t rows = nq * HQ;  // query (position, head) pairs, position-major
+  float* qf = w.qf.data();
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* s = w.s.data();
+  for (int64_t j = 0; j < nq; ++j) {
+    const T* src = q + (b * z.Q + j) * HQ * D;
+    float* dst = qf + j * HQ * D;
+    for (int64_t i = 0; i < HQ * D; ++i) dst[i] = to_float(src[i]) * z.scale;
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, neg_inf);
+  std::fill(l, l + rows, 0.f);
+  const int64_t block_elems = HKV * BS * D;
+  const int64_t lo = z.window > 0 ? std::max<int64_t>(0, first - z.window + 1) : 0;
+  for (int64_t blk = lo / BS; blk * BS < ctx; ++blk) {
+    const int64_t start = blk * BS, n = std::min(BS, ctx - start);
+    const int64_t block = block_table[b * z.MAXNB + blk];
+    if ((blk + 1) * BS < ctx) {
+      const char* kn = reinterpret_cast<const char*>(k_pool + block_table[b * z.MAXNB + blk + 1] * block_elems);
+      const char* vn = reinterpret_cast<const char*>(v_pool + block_table[b * z.MAXNB + blk + 1] * block_elems);
+      for (int64_t o = 0; o < block_elems * (int64_t)sizeof(T); o += 64) {
+        __builtin_prefetch(kn + o);
+        __builtin_prefetch(vn + o);
+      }
+    }
+    const float* kp;
+    const float* vp;
+    if constexpr (std::is_same<T, float>::value) {
+      kp = k_pool + block * block_elems;
+      vp = v_pool + block * block_elems;
+    } else {
+      const T* kb = k_pool + block * block_elems;
+      const T* vb = v_pool + block * block_elems;
+      for (int64_t i = 0; i < block_elems; ++i) w.kf[i] = to_float(kb[i]);
+      for (int64_t i = 0; i < block_elems; ++i) w.vf[i] = to_float(vb[i]);
+      kp = w.kf.data();
+      vp = w.vf.data();
+    }
+    for (int64_t h = 0; h < HKV; ++h) {
+      const float* kh = kp + h * BS * D;
+      const float* vh = vp + h * BS * D;
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t p = first + j;  // this query's position
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = j * HQ + h * G + g;
+          float* sr = s + r * BS;
+          const float* qq = qf + r * D;
+          block_scores(qq, kh, n, D, sr);
+          float mx = neg_inf;
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t pos = start + t;
+            if (pos > p || (z.window > 0 && pos <= p - z.window)) {
+              sr[t] = neg_inf;
+              continue;
+            }
+            if (z.softcap > 0.f) sr[t] = z.softcap * std::tanh(sr[t] / z.softcap);
+            mx = std::max(mx, sr[t]);
+          }
+          if (mx == neg_inf) continue;  // nothing visible in this block for this query
+          const float m_new = std::max(m[r], mx);
+          const float corr = m[r] == neg_inf ? 0.f : fast_exp(m[r] - m_new);
+          l[r] = l[r] * corr + exp_and_sum(sr, n, m_new);
+          m[r] = m_new;
+          weighted_add(acc + r * D, corr, sr, vh, n, D);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    float* dst = out + (b * z.Q) * HQ * D + r * D;
+    const float* ar = acc + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = ar[d] * inv;
+  }
+}
+
+template <typename T>
+void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
+            const int32_t* kv_lens, const int32_t* q_lens, int64_t B, const Shapes& z) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(z);
+    for (int64_t b = begin; b < end; ++b) {
+      if (q_lens[b] > 0) attend_row<T>(out, q, k_pool, v_pool, block_table, b, q_lens[b], kv_lens[b], z, w);
+    }
+  });
+}
+
+}  // namespace
+
+// out [B*Q, HQ, D] float32; q [B*Q, HQ, D]; pools [NB, HKV, BS, D]; block_table [B, MAXNB]
+// int32; kv_lens, q_lens [B] int32. Rows of out past a row's q_lens are left alone.
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_table,
+                     at::Tensor kv_lens, at::Tensor q_lens, double scale, double softcap, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(),
+              "paged_attention: contiguous tensors only");
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "paged_attention: out must be float32");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && kv_lens.scalar_type() == at::kInt &&
+                  q_lens.scalar_type() == at::kInt, "paged_attention: int32 tables and lengths");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_attention: q and the pools share a dtype");
+  const int64_t B = kv_lens.size(0), HQ = q.size(1), D = q.size(2);
+  const int64_t Q = B ? q.size(0) / B : 0;
+  const int64_t HKV = k_pool.size(1), BS = k_pool.size(2), MAXNB = block_table.size(1);
+  TORCH_CHECK(q.size(0) == B * Q && HQ % HKV == 0 && k_pool.size(3) == D, "paged_attention: shapes do not fit");
+  const auto* bt = block_table.data_ptr<int32_t>();
+  const auto* kl = kv_lens.data_ptr<int32_t>();
+  const auto* ql = q_lens.data_ptr<int32_t>();
+  const Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap};
+  if (q.scalar_type() == at::kFloat) {
+    attend<float>(out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                  bt, kl, ql, B, z);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
+                          v_pool.data_ptr<c10::BFloat16>(), bt, kl, ql, B, z);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention for short queries (CPU)");
+}
