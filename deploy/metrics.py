@@ -80,6 +80,17 @@ class EngineCollector:
                           snap.spec_decode_num_draft_tokens)
             yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
                           snap.spec_decode_num_accepted_tokens)
+        # Per worker (vLLM's "engine" label is its data-parallel engine): prompt tokens
+        # looked up in the prefix cache, and those found (a replaced worker starts at 0).
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", labels=LABELS)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.", labels=LABELS)
+        for worker in engine.prefix_cache_stats():
+            queries.add_metric([labels[0], str(worker["worker"])], worker["queries"])
+            hits.add_metric([labels[0], str(worker["worker"])], worker["hits"])
+        yield queries
+        yield hits
         for key, name, doc in HISTOGRAMS:
             yield histogram(name, doc, labels, snap.histograms[key])
 

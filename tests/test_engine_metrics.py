@@ -97,3 +97,24 @@ def test_exposition_has_spec_decode_counters_when_it_is_on(llm):
     assert bounds == [*REQUEST_LATENCY_BUCKETS, math.inf]
     tokens = families["vllm:request_prompt_tokens"]
     assert [float(s.labels["le"]) for s in tokens.samples if s.name.endswith("_bucket")][-2:] == [100.0, math.inf]
+
+
+def prefix_cache_samples(llm) -> tuple[float, float]:
+    text = generate_latest(metrics_registry(llm.engine, "tiny")).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (queries,) = families["vllm:prefix_cache_queries"].samples
+    (hits,) = families["vllm:prefix_cache_hits"].samples
+    assert queries.name == "vllm:prefix_cache_queries_total" and queries.labels == {"model_name": "tiny", "engine": "0"}
+    return queries.value, hits.value
+
+
+def test_exposition_counts_prefix_cache_queries_and_hits(llm):
+    prompt = {"prompt_token_ids": list(range(40, 80))}  # 40 tokens: two full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    queries0, hits0 = prefix_cache_samples(llm)
+    llm.generate([prompt], params, use_tqdm=False)
+    llm.generate([prompt], params, use_tqdm=False)  # the second finds the first's full blocks
+    queries, hits = prefix_cache_samples(llm)
+    assert queries - queries0 >= 2 * 40 - 1 and hits - hits0 == 32
+    (worker,) = llm.engine.prefix_cache_stats()
+    assert (worker["queries"], worker["hits"]) == (queries, hits)
