@@ -83,7 +83,7 @@ MAX_SCHEMA_DEPTH = 64
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _json_depth(value: Any, limit: int) -> int:
+def json_depth(value: Any, limit: int) -> int:
     """Nesting depth of dicts/lists in ``value``, counted iteratively up to ``limit + 1``."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -145,7 +145,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise bad("json", "a JSON schema object (a dict, or a string holding one)", self.json)
-            if _json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
             check_text("structured_outputs.json", schema)  # also what JSON escapes decode to
             if schema is self.json:

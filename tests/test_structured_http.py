@@ -16,10 +16,9 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from ray import serve
 
-from deploy.serve import build_app
-from test_serve_openai import TEMPLATE, _free_port
+from serve_app import post_json, served
+from test_serve_openai import TEMPLATE
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -37,19 +36,13 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_model_path):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(
-        build_app({
-            "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE,
-            "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
-            # compact JSON: a random model may otherwise spend its tokens on whitespace
-            "structured_outputs_config": {"disable_any_whitespace": True},
-        }),
-        name="structured", route_prefix="/",
-    )
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with served({
+        "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE,
+        "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
+        # compact JSON: a random model may otherwise spend its tokens on whitespace
+        "structured_outputs_config": {"disable_any_whitespace": True},
+    }, "structured") as url:
+        yield url
 
 
 @pytest.fixture
@@ -57,8 +50,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
-def post(server: str, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
-    return httpx.post(f"{server}{path}", json={"model": "tiny", **body}, timeout=120)
+post = post_json
 
 
 def json_schema_format(schema: dict, **kw) -> dict:

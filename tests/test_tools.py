@@ -17,7 +17,6 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ray import serve
 
 from deploy.openai.tool_parsers import (
     HermesToolParser,
@@ -25,8 +24,7 @@ from deploy.openai.tool_parsers import (
     NamedFunctionParser,
     RequiredCallsParser,
 )
-from deploy.serve import build_app
-from test_serve_openai import _free_port
+from serve_app import post_json, served
 
 # A Hermes / Qwen-style template: the tools in a system turn (their names only: the
 # tiny model's 512 positions cannot hold their schemas), earlier calls as <tool_call>
@@ -205,20 +203,14 @@ def test_required_stream_split_anywhere_gives_the_whole_answer(calls, cuts, spac
 
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_model_path):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(
-        build_app({
-            "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE,
-            "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
-            "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "max_tools": MAX_TOOLS,
-            # compact JSON: a random model may otherwise spend its tokens on whitespace
-            "structured_outputs_config": {"disable_any_whitespace": True},
-        }),
-        name="tools", route_prefix="/",
-    )
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with served({
+        "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE,
+        "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
+        "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "max_tools": MAX_TOOLS,
+        # compact JSON: a random model may otherwise spend its tokens on whitespace
+        "structured_outputs_config": {"disable_any_whitespace": True},
+    }, "tools") as url:
+        yield url
 
 
 @pytest.fixture
@@ -226,8 +218,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
-def post(server: str, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
-    return httpx.post(f"{server}{path}", json={"model": "tiny", **body}, timeout=120)
+post = post_json
 
 
 def check_calls(calls, allowed=SCHEMAS) -> None:

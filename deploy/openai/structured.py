@@ -22,7 +22,7 @@ import jsonschema
 from jsonschema.validators import validator_for
 
 from deploy.openai.errors import RequestError, not_supported
-from sampler.params import MAX_SCHEMA_DEPTH
+from sampler.params import MAX_SCHEMA_DEPTH, json_depth
 
 #: StructuredOutputsParams fields that are the constraint itself (exactly one).
 CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -33,20 +33,6 @@ LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 _ENGINE_PREFIX = re.compile(r"^structured_outputs(\.[a-z_]+)?")
-
-
-def json_depth(value: Any, limit: int) -> int:
-    """Nesting depth of dicts/lists in ``value``, counted iteratively up to ``limit + 1``."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def check_json_schema(schema: Any, where: str, param: str | None = None) -> None:
