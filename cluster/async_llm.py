@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.inputs import Conversation, PromptType, render_chat
-from cluster.outputs import RequestOutput
+from cluster.outputs import RequestOutput, merge_deltas
 from cluster.request import Request
-from sampler.params import SamplingParams
+from sampler.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("raydecode")
 
@@ -133,9 +133,15 @@ class AsyncLLM:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._send(("add", request))
         finished = False
+        coalesce = request.output_kind == RequestOutputKind.DELTA
         try:
             while True:
                 item = await stream.get()
+                # A consumer that fell behind gets what piled up as one output (deltas
+                # joined, vLLM's collector does the same): fewer, larger chunks.
+                while coalesce and not isinstance(item, BaseException) and not item.finished and not stream.empty():
+                    nxt = stream.get_nowait()
+                    item = nxt if isinstance(nxt, BaseException) else merge_deltas(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -183,8 +189,7 @@ class AsyncLLM:
             except BaseException as exc:  # the loop must not die silently
                 self._die(exc)
                 return
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all(outputs)
 
     def _die(self, exc: BaseException) -> None:
         logger.error("the engine loop stopped: %r", exc)
@@ -225,6 +230,21 @@ class AsyncLLM:
             elif kind == "abort":
                 self.engine.abort_request(payload)
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up per event loop, not one per
+        output (with many streams on one loop that is most of the delivery cost)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:  # else the consumer left
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed
+                pass
+
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:
             target = self._streams.get(request_id)
@@ -242,6 +262,11 @@ class AsyncLLM:
         self._thread.join(timeout=10)
         self._inputs.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
 
 
 def _random_id() -> str:

@@ -53,3 +53,30 @@ class RequestOutput:
     #: set when the request ended with an error (a logits processor raised, ...)
     error: str | None = None
     num_cached_tokens: int = 0
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one (what a stream that fell
+    behind sends instead of both): per sample its text, tokens and logprobs joined,
+    the rest as of the later one; prompt logprobs from whichever carries them."""
+    merged = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        before = merged.get(c.index)
+        if before is None:
+            merged[c.index] = c
+            continue
+        logprobs = before.logprobs
+        if c.logprobs is not None:
+            logprobs = FlatLogprobs() if logprobs is None else logprobs[:]
+            logprobs.extend(c.logprobs)
+        merged[c.index] = CompletionOutput(
+            index=c.index, text=before.text + c.text, token_ids=before.token_ids + c.token_ids,
+            cumulative_logprob=c.cumulative_logprob, logprobs=logprobs,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        )
+    return RequestOutput(
+        request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+        outputs=sorted(merged.values(), key=lambda c: c.index), finished=later.finished,
+        metrics=later.metrics, error=later.error, num_cached_tokens=later.num_cached_tokens,
+    )

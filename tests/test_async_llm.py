@@ -111,3 +111,40 @@ def test_bad_input_raises_in_the_caller(engine):
 
     out = asyncio.run(main())
     assert out.finished and len(out.outputs[0].token_ids) == 50
+
+
+def test_a_consumer_that_falls_behind_gets_the_deltas_joined(engine):
+    """A delta stream read slowly gets fewer outputs, and together they hold exactly
+    what a stream read at once holds (n=2: both samples, text, tokens, logprobs)."""
+    params = GREEDY.clone(output_kind=RequestOutputKind.DELTA, logprobs=2, max_tokens=24, n=2, temperature=0.8,
+                          seed=7)
+
+    async def slow(rid):
+        outs = []
+        async for out in engine.generate("a stitch in time", params, rid):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # several engine steps pile up meanwhile
+        return outs
+
+    async def main():
+        return await asyncio.gather(collect(engine, "a stitch in time", params, "fast"), slow("slow"))
+
+    fast, slow_outs = asyncio.run(main())
+    assert len(slow_outs) < len(fast) and slow_outs[-1].finished and fast[-1].finished
+
+    def joined(outs):
+        per = {}
+        for o in outs:
+            for c in o.outputs:
+                text, tokens, lps = per.get(c.index, ("", [], []))
+                per[c.index] = (text + c.text, tokens + c.token_ids, lps + [dict(p) for p in c.logprobs])
+        return per
+
+    a, b = joined(fast), joined(slow_outs)
+    assert set(a) == {0, 1} and a.keys() == b.keys()
+    for i in a:
+        assert a[i][0] == b[i][0] and a[i][1] == b[i][1] and len(a[i][1]) == 24
+        assert [{t: lp.logprob for t, lp in p.items()} for p in a[i][2]] == \
+            [{t: lp.logprob for t, lp in p.items()} for p in b[i][2]]
+    last = {c.index: c.finish_reason for o in slow_outs for c in o.outputs}
+    assert last == {0: "length", 1: "length"}
