@@ -231,8 +231,8 @@ class AsyncLLM:
                 self.engine.abort_request(payload)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams: one wake-up per event loop, not one per
-        output (with many streams on one loop that is most of the delivery cost)."""
+        """A step's outputs to their streams: one cross-thread wake-up per event loop,
+        not one per output."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
             for out in outputs:
