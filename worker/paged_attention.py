@@ -55,13 +55,16 @@ def compiler_flags() -> list[str]:
 
 
 def build_dir() -> Path:
-    """One build per source, torch version and compiler flags (the instruction-set
+    """One build per source, torch installation and compiler flags (the instruction-set
     level among them: a home shared by different CPUs never loads a build the CPU
-    cannot run)."""
+    cannot run). The installation's path counts because the build files name its
+    headers: two virtual environments sharing one build would make each other rebuild."""
     from worker.model_loader import cache_dir
 
     flags = " ".join(compiler_flags())
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:12]
+    torch_home = os.path.dirname(torch.__file__)
+    key = SOURCE.read_bytes() + torch.__version__.encode() + torch_home.encode() + flags.encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_dir() / "kernels" / f"paged_attention-{digest}"
 
 
