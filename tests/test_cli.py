@@ -152,12 +152,22 @@ def _stop(proc: subprocess.Popen, sig: int) -> None:
         proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()  # reaped: no zombie for the next test to trip over
         raise
 
 
 def _still_running(procs: list[psutil.Process], timeout: float = 30) -> list[str]:
     _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [" ".join(p.cmdline())[:100] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [_cmdline(p)[:100] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _cmdline(p: psutil.Process) -> str:
+    """A process's command line; empty for one that is gone or a zombie (a child an
+    earlier test left unreaped must not fail this one)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
@@ -167,7 +177,7 @@ def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
     agents)."""
     proc, port = _serve(tiny_model_path)
     started = psutil.Process(proc.pid).children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in started)
+    assert any("raylet" in _cmdline(p) for p in started)
     try:
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == "tiny"
@@ -182,7 +192,7 @@ def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
 def test_serve_on_a_joined_cluster_stops_only_its_own(ray_local, tiny_model_path):
     """With ``--address`` the cluster's own processes live on; only the app goes."""
     cluster_procs = [p for p in psutil.Process().children(recursive=True)
-                     if any(name in " ".join(p.cmdline()) for name in ("raylet", "gcs_server"))]
+                     if any(name in _cmdline(p) for name in ("raylet", "gcs_server"))]
     assert len(cluster_procs) == 2
     address = ray_local.get_runtime_context().gcs_address
     proc, port = _serve(tiny_model_path, "--address", address)
