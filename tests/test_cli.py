@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,14 +130,20 @@ def _serve(tiny_model_path: str, *extra: str) -> tuple[subprocess.Popen, int]:
 
     port = _free_port()
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    # Its output goes to a file: a pipe nobody reads while it runs fills up (Ray forwards
+    # every worker's log lines) and the server then blocks on a write, shutdown included.
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_model_path, "--port", str(port),
          "--max-model-len", "256", "--served-model-name", "tiny", *extra],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
+    proc.log = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + 180
     while True:
-        assert proc.poll() is None, proc.stdout.read()
+        if proc.poll() is not None:
+            log.seek(0)
+            raise AssertionError(log.read()[-5000:])
         assert time.monotonic() < deadline, "serve did not come up"
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -153,7 +160,12 @@ def _stop(proc: subprocess.Popen, sig: int) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()  # reaped: no zombie for the next test to trip over
-        raise
+        log = getattr(proc, "log", None)
+        tail = ""
+        if log is not None:
+            log.seek(0)
+            tail = log.read()[-5000:]
+        raise AssertionError(f"serve did not stop within 90 s of signal {sig}; its output ends:\n{tail}") from None
 
 
 def _still_running(procs: list[psutil.Process], timeout: float = 30) -> list[str]:
