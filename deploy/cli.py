@@ -346,6 +346,9 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.
     # Set after Ray starts: Ray's core installs its own SIGTERM handler, which aborts.
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C (SIGINT) stops it too, even when it was started with SIGINT ignored (a
+    # non-interactive shell's background job inherits that, and Python then keeps it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from ray.serve.context import _get_global_client
 
     started_serve = _get_global_client(raise_if_no_controller_running=False) is None
