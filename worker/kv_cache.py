@@ -132,11 +132,9 @@ class AttentionPlan:
     host_token_rows: np.ndarray  # [T]
     host_token_positions: np.ndarray  # [T]
     token_positions: torch.Tensor  # [T] position of each packed token in its row
-    slot_blocks: torch.Tensor  # [T] the block each packed token's key/value goes to
-    slot_offsets: torch.Tensor  # [T] and the slot in it
     # [T * kv_heads] where token t's head h goes in a pool seen as [blocks * kv_heads *
-    # block_size, head_dim] rows: one index_copy_ per pool (an index_put with a block and
-    # a slot index per token is ~30x slower on CPU for a 512-token step).
+    # block_size, head_dim] rows: the step's keys and values go in with one index_copy_
+    # per pool.
     slot_rows: torch.Tensor
     # Rows with short queries, attended together.
     num_batched: int
@@ -195,8 +193,6 @@ class AttentionPlan:
             host_token_rows=token_rows,
             host_token_positions=token_positions,
             token_positions=as_long(token_positions),
-            slot_blocks=as_long(slot_blocks),
-            slot_offsets=as_long(token_positions % bs),
             slot_rows=as_long(slot_rows),
             num_batched=nb,
             batched_index=as_long(index),
