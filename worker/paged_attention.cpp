@@ -5,10 +5,11 @@
 // keys and values where they live: in the pool blocks its block table names
 // (pool layout [num_blocks, kv_heads, block_size, head_dim]); nothing is gathered.
 // One task per row, run on ATen's thread pool (the same threads as torch's ops, so
-// torch.set_num_threads sizes it). Within a task the keys are read block by block
-// (every KV head of a block together: one contiguous run), once, with an online softmax
-// (running max, sum and weighted values per query), the next block prefetched; each key
-// and value is touched exactly once from memory. The hot loops use AVX2/FMA where the
+// torch.set_num_threads sizes it). Within a task the keys are read a tile of blocks at a
+// time (every KV head of a block together: one contiguous run): scores for the whole
+// tile, one online-softmax update per tile (running max, sum and weighted values per
+// query), then the tile's values; the next block is prefetched, and each key and value
+// is touched exactly once from memory. The hot loops use AVX2/FMA where the
 // build has them (the loader builds for the CPU it runs on), plain loops elsewhere.
 //
 // Masking: query j of row b sits at position p = kv_lens[b] - q_lens[b] + j and sees
@@ -204,22 +205,49 @@ struct Shapes {
   float scale, softcap;
 };
 
+// Positions per tile: the softmax state is updated once per tile, not once per block.
+constexpr int64_t TILE = 256;
+
 // Per-thread buffers: the row's queries (scaled, float), outputs, running max and sum,
-// one block's scores, and one block of keys and values as float (bf16 pools).
+// one tile's scores and per-query corrections, and one block of keys or values as float
+// (bf16 pools).
 struct Scratch {
-  std::vector<float> qf, acc, m, l, s, kf, vf;
+  std::vector<float> qf, acc, m, l, s, corr, kf;
+  int64_t tile;
   explicit Scratch(const Shapes& z)
-      : qf(z.Q * z.HQ * z.D), acc(z.Q * z.HQ * z.D), m(z.Q * z.HQ), l(z.Q * z.HQ), s(z.Q * z.HQ * z.BS),
-        kf(z.HKV * z.BS * z.D), vf(z.HKV * z.BS * z.D) {}
+      : qf(z.Q * z.HQ * z.D), acc(z.Q * z.HQ * z.D), m(z.Q * z.HQ), l(z.Q * z.HQ), corr(z.Q * z.HQ),
+        kf(z.HKV * z.BS * z.D), tile(std::max<int64_t>(1, TILE / z.BS) * z.BS) {
+    s.resize(z.Q * z.HQ * tile);
+  }
 };
 
-// One row: its nq queries (every query head) against its keys, block by block, every
-// KV head of a block together (one block is a contiguous [kv_heads, block, dim] run),
-// the next block prefetched while this one is computed.
+template <typename T>
+inline const float* block_as_float(const T* pool, int64_t block, int64_t block_elems, Scratch& w) {
+  if constexpr (std::is_same<T, float>::value) {
+    return pool + block * block_elems;
+  } else {
+    const T* src = pool + block * block_elems;
+    for (int64_t i = 0; i < block_elems; ++i) w.kf[i] = to_float(src[i]);
+    return w.kf.data();
+  }
+}
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
+// One row: its nq queries (every query head) against its keys, a tile of blocks at a
+// time. Per tile: (1) scores of every query against every key of the tile, block by
+// block, every KV head of a block together (one block is a contiguous [kv_heads, block,
+// dim] run); (2) per query, what it may not see set aside, one online-softmax update
+// (running max and sum; the outputs so far rescaled); (3) the values, block by block,
+// weighted into the outputs. Each key and value is read from memory once; the next
+// block is prefetched while one is computed.
 template <typename T>
 void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
                 int64_t b, int64_t nq, int64_t ctx, const Shapes& z, Scratch& w) {
-  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, HKV = z.HKV;
+  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, HKV = z.HKV, TL = w.tile;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t first = ctx - nq;  // position of the row's first query
   const int64_t rows = nq * HQ;  // query (position, head) pairs, position-major
@@ -228,6 +256,7 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
   float* m = w.m.data();
   float* l = w.l.data();
   float* s = w.s.data();
+  float* corr = w.corr.data();
   for (int64_t j = 0; j < nq; ++j) {
     const T* src = q + (b * z.Q + j) * HQ * D;
     float* dst = qf + j * HQ * D;
@@ -237,59 +266,61 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
   std::fill(m, m + rows, neg_inf);
   std::fill(l, l + rows, 0.f);
   const int64_t block_elems = HKV * BS * D;
+  const int64_t block_bytes = block_elems * (int64_t)sizeof(T);
+  const int32_t* table = block_table + b * z.MAXNB;
   const int64_t lo = z.window > 0 ? std::max<int64_t>(0, first - z.window + 1) : 0;
-  for (int64_t blk = lo / BS; blk * BS < ctx; ++blk) {
-    const int64_t start = blk * BS, n = std::min(BS, ctx - start);
-    const int64_t block = block_table[b * z.MAXNB + blk];
-    if ((blk + 1) * BS < ctx) {
-      const char* kn = reinterpret_cast<const char*>(k_pool + block_table[b * z.MAXNB + blk + 1] * block_elems);
-      const char* vn = reinterpret_cast<const char*>(v_pool + block_table[b * z.MAXNB + blk + 1] * block_elems);
-      for (int64_t o = 0; o < block_elems * (int64_t)sizeof(T); o += 64) {
-        __builtin_prefetch(kn + o);
-        __builtin_prefetch(vn + o);
-      }
-    }
-    const float* kp;
-    const float* vp;
-    if constexpr (std::is_same<T, float>::value) {
-      kp = k_pool + block * block_elems;
-      vp = v_pool + block * block_elems;
-    } else {
-      const T* kb = k_pool + block * block_elems;
-      const T* vb = v_pool + block * block_elems;
-      for (int64_t i = 0; i < block_elems; ++i) w.kf[i] = to_float(kb[i]);
-      for (int64_t i = 0; i < block_elems; ++i) w.vf[i] = to_float(vb[i]);
-      kp = w.kf.data();
-      vp = w.vf.data();
-    }
-    for (int64_t h = 0; h < HKV; ++h) {
-      const float* kh = kp + h * BS * D;
-      const float* vh = vp + h * BS * D;
-      for (int64_t j = 0; j < nq; ++j) {
-        const int64_t p = first + j;  // this query's position
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = j * HQ + h * G + g;
-          float* sr = s + r * BS;
-          const float* qq = qf + r * D;
-          block_scores(qq, kh, n, D, sr);
-          float mx = neg_inf;
-          for (int64_t t = 0; t < n; ++t) {
-            const int64_t pos = start + t;
-            if (pos > p || (z.window > 0 && pos <= p - z.window)) {
-              sr[t] = neg_inf;
-              continue;
-            }
-            if (z.softcap > 0.f) sr[t] = z.softcap * std::tanh(sr[t] / z.softcap);
-            mx = std::max(mx, sr[t]);
+  for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TL) {
+    const int64_t t1 = std::min(ctx, t0 + TL), nt = t1 - t0;
+    const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS;
+    // (1) scores: s[r * TL + (pos - t0)]
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      if (blk + 1 < b1) prefetch_block(k_pool + table[blk + 1] * block_elems, block_bytes);
+      else prefetch_block(v_pool + table[b0] * block_elems, block_bytes);
+      const int64_t start = blk * BS, n = std::min(BS, ctx - start);
+      const float* kp = block_as_float(k_pool, table[blk], block_elems, w);
+      for (int64_t h = 0; h < HKV; ++h)
+        for (int64_t j = 0; j < nq; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = j * HQ + h * G + g;
+            block_scores(qf + r * D, kp + h * BS * D, n, D, s + r * TL + (start - t0));
           }
-          if (mx == neg_inf) continue;  // nothing visible in this block for this query
-          const float m_new = std::max(m[r], mx);
-          const float corr = m[r] == neg_inf ? 0.f : fast_exp(m[r] - m_new);
-          l[r] = l[r] * corr + exp_and_sum(sr, n, m_new);
-          m[r] = m_new;
-          weighted_add(acc + r * D, corr, sr, vh, n, D);
-        }
+    }
+    // (2) per query: visible keys [vlo, vhi) of this tile; the rest weigh 0.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p = first + r / HQ;
+      float* sr = s + r * TL;
+      const int64_t vlo = std::max<int64_t>(t0, z.window > 0 ? p - z.window + 1 : 0);
+      const int64_t vhi = std::min<int64_t>(t1, p + 1);
+      if (vlo >= vhi) {
+        std::fill(sr, sr + nt, 0.f);
+        corr[r] = 1.f;
+        continue;
       }
+      float* vis = sr + (vlo - t0);
+      const int64_t nv = vhi - vlo;
+      if (z.softcap > 0.f)
+        for (int64_t t = 0; t < nv; ++t) vis[t] = z.softcap * std::tanh(vis[t] / z.softcap);
+      float mx = neg_inf;
+      for (int64_t t = 0; t < nv; ++t) mx = std::max(mx, vis[t]);
+      const float m_new = std::max(m[r], mx);
+      corr[r] = m[r] == neg_inf ? 0.f : fast_exp(m[r] - m_new);
+      l[r] = l[r] * corr[r] + exp_and_sum(vis, nv, m_new);
+      m[r] = m_new;
+      std::fill(sr, vis, 0.f);
+      std::fill(sr + (vhi - t0), sr + nt, 0.f);
+    }
+    // (3) values
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      if (blk + 1 < b1) prefetch_block(v_pool + table[blk + 1] * block_elems, block_bytes);
+      else if (t1 < ctx) prefetch_block(k_pool + table[b1] * block_elems, block_bytes);
+      const int64_t start = blk * BS, n = std::min(BS, ctx - start);
+      const float* vp = block_as_float(v_pool, table[blk], block_elems, w);
+      for (int64_t h = 0; h < HKV; ++h)
+        for (int64_t j = 0; j < nq; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = j * HQ + h * G + g;
+            weighted_add(acc + r * D, blk == b0 ? corr[r] : 1.f, s + r * TL + (start - t0), vp + h * BS * D, n, D);
+          }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
