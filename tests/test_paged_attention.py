@@ -1,7 +1,8 @@
 """The CPU paged-attention kernel against the torch reference path (gather the blocks,
 then SDPA or the written-out soft-capped math) on random pools and block tables:
 queries per row 1-6 (decodes and speculative verification), ragged lengths that end
-mid-block, grouped query heads, sliding windows, soft-capping, float32 and bfloat16.
+mid-block, contexts deep enough to span several of the kernel's 256-position tiles (and
+windows that straddle them), grouped query heads, sliding windows, soft-capping, float32 and bfloat16.
 Then the whole model: greedy output with the kernel equals the torch path's."""
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from worker.paged_attention import CpuPagedKernel, load
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler: the kernel cannot be built here")
 
 
-def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, dtype: torch.dtype):
+def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, dtype: torch.dtype,
+         depth: int = 70):
     rng = np.random.default_rng(seed)
     q_lens = rng.integers(1, 7, rows)
-    kv_lens = q_lens + rng.integers(0, 70, rows)
+    kv_lens = q_lens + rng.integers(0, depth, rows)
     num_blocks = int(sum(-(-k // block) for k in kv_lens)) + 3
     cache = PagedKVCache(1, num_blocks, block, kv_heads, dim, dtype, torch.device("cpu"))
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=torch.Generator().manual_seed(seed)))
@@ -43,10 +45,11 @@ def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, 
 @given(
     seed=st.integers(0, 2**16), rows=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4]), dim=st.sampled_from([16, 64]), block=st.sampled_from([4, 16]),
-    window=st.sampled_from([None, 1, 5, 24]), softcap=st.sampled_from([None, 5.0]),
+    window=st.sampled_from([None, 1, 5, 24, 300]), softcap=st.sampled_from([None, 5.0]),
+    depth=st.sampled_from([70, 700]),
 )
-def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, block, window, softcap):
-    cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32)
+def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, block, window, softcap, depth):
+    cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32, depth)
     scale = dim ** -0.5
     want = _batched_by_gathering(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
     got = CpuPagedKernel(load()).run(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
@@ -55,7 +58,7 @@ def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, bloc
 
 
 def test_bfloat16_pools():
-    cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16)
+    cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16, depth=600)
     want = _batched_by_gathering(q.float(), cache.keys[0].float(), cache.values[0].float(), plan, 0.125, None, None)
     got = CpuPagedKernel(load()).run(q, cache.keys[0], cache.values[0], plan, 0.125, None, None)
     assert got.dtype == torch.bfloat16
