@@ -268,6 +268,13 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
   const int64_t block_elems = HKV * BS * D;
   const int64_t block_bytes = block_elems * (int64_t)sizeof(T);
   const int32_t* table = block_table + b * z.MAXNB;
+  // fn(h, r) for every KV head h of a block and each query row r it serves (position j,
+  // query head h * G + g).
+  auto each_head_query = [&](auto&& fn) {
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t j = 0; j < nq; ++j)
+        for (int64_t g = 0; g < G; ++g) fn(h, j * HQ + h * G + g);
+  };
   const int64_t lo = z.window > 0 ? std::max<int64_t>(0, first - z.window + 1) : 0;
   for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TL) {
     const int64_t t1 = std::min(ctx, t0 + TL), nt = t1 - t0;
@@ -278,12 +285,9 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
       else prefetch_block(v_pool + table[b0] * block_elems, block_bytes);
       const int64_t start = blk * BS, n = std::min(BS, ctx - start);
       const float* kp = block_as_float(k_pool, table[blk], block_elems, w);
-      for (int64_t h = 0; h < HKV; ++h)
-        for (int64_t j = 0; j < nq; ++j)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = j * HQ + h * G + g;
-            block_scores(qf + r * D, kp + h * BS * D, n, D, s + r * TL + (start - t0));
-          }
+      each_head_query([&](int64_t h, int64_t r) {
+        block_scores(qf + r * D, kp + h * BS * D, n, D, s + r * TL + (start - t0));
+      });
     }
     // (2) per query: visible keys [vlo, vhi) of this tile; the rest weigh 0.
     for (int64_t r = 0; r < rows; ++r) {
@@ -315,12 +319,9 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
       else if (t1 < ctx) prefetch_block(k_pool + table[b1] * block_elems, block_bytes);
       const int64_t start = blk * BS, n = std::min(BS, ctx - start);
       const float* vp = block_as_float(v_pool, table[blk], block_elems, w);
-      for (int64_t h = 0; h < HKV; ++h)
-        for (int64_t j = 0; j < nq; ++j)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = j * HQ + h * G + g;
-            weighted_add(acc + r * D, blk == b0 ? corr[r] : 1.f, s + r * TL + (start - t0), vp + h * BS * D, n, D);
-          }
+      each_head_query([&](int64_t h, int64_t r) {
+        weighted_add(acc + r * D, blk == b0 ? corr[r] : 1.f, s + r * TL + (start - t0), vp + h * BS * D, n, D);
+      });
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
