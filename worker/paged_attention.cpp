@@ -205,20 +205,18 @@ struct Shapes {
   float scale, softcap;
 };
 
-// Positions per tile: the softmax state is updated once per tile, not once per block.
-constexpr int64_t TILE = 256;
+// Positions per tile (whole blocks, about 256): the softmax state is updated once per
+// tile, not once per block.
+inline int64_t tile_positions(int64_t block_size) { return std::max<int64_t>(1, 256 / block_size) * block_size; }
 
 // Per-thread buffers: the row's queries (scaled, float), outputs, running max and sum,
 // one tile's scores and per-query corrections, and one block of keys or values as float
 // (bf16 pools).
 struct Scratch {
-  std::vector<float> qf, acc, m, l, s, corr, kf;
-  int64_t tile;
+  std::vector<float> qf, acc, m, l, s, corr, block_f;
   explicit Scratch(const Shapes& z)
-      : qf(z.Q * z.HQ * z.D), acc(z.Q * z.HQ * z.D), m(z.Q * z.HQ), l(z.Q * z.HQ), corr(z.Q * z.HQ),
-        kf(z.HKV * z.BS * z.D), tile(std::max<int64_t>(1, TILE / z.BS) * z.BS) {
-    s.resize(z.Q * z.HQ * tile);
-  }
+      : qf(z.Q * z.HQ * z.D), acc(z.Q * z.HQ * z.D), m(z.Q * z.HQ), l(z.Q * z.HQ),
+        s(z.Q * z.HQ * tile_positions(z.BS)), corr(z.Q * z.HQ), block_f(z.HKV * z.BS * z.D) {}
 };
 
 template <typename T>
@@ -227,8 +225,8 @@ inline const float* block_as_float(const T* pool, int64_t block, int64_t block_e
     return pool + block * block_elems;
   } else {
     const T* src = pool + block * block_elems;
-    for (int64_t i = 0; i < block_elems; ++i) w.kf[i] = to_float(src[i]);
-    return w.kf.data();
+    for (int64_t i = 0; i < block_elems; ++i) w.block_f[i] = to_float(src[i]);
+    return w.block_f.data();
   }
 }
 
@@ -247,7 +245,7 @@ inline void prefetch_block(const void* p, int64_t bytes) {
 template <typename T>
 void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
                 int64_t b, int64_t nq, int64_t ctx, const Shapes& z, Scratch& w) {
-  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, HKV = z.HKV, TL = w.tile;
+  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, HKV = z.HKV, TL = tile_positions(BS);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t first = ctx - nq;  // position of the row's first query
   const int64_t rows = nq * HQ;  // query (position, head) pairs, position-major
