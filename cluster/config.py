@@ -62,6 +62,8 @@ class EngineConfig:
     cpu_packed_linear: bool = True
     #: CPU: decode attention with the compiled paged kernel (off: gather the blocks + SDPA)
     cpu_attention_kernel: bool = True
+    #: CPU: Llama, Mistral and Qwen2 run with fused layer ops (off: the transformers forward)
+    cpu_fused_decoder: bool = True
     #: custom logits processors, as "module:Qualname" (server configuration only)
     logits_processors: list[str] = field(default_factory=list)
     #: text of the token that opens a reasoning section (thinking_token_budget)
@@ -168,6 +170,7 @@ class EngineConfig:
             num_spec_tokens=self.num_spec_tokens, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
             max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
             cpu_packed_linear=self.cpu_packed_linear, cpu_attention_kernel=self.cpu_attention_kernel,
+            cpu_fused_decoder=self.cpu_fused_decoder,
             logits_processors=list(self.logits_processors),
             reasoning_start=self.reasoning_start, reasoning_end=self.reasoning_end,
             seed=self.seed, trust_remote_code=self.trust_remote_code,

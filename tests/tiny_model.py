@@ -20,7 +20,8 @@ SPECIAL = ["<|endoftext|>", "<think>", "</think>"]
 
 def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch: str = "llama", **overrides) -> Path:
     """Writes model + tokenizer into ``folder`` (once) and returns it. ``arch`` picks
-    the architecture: "llama" (the default), "mistral" (a sliding window), "gemma2"
+    the architecture: "llama" (the default), "qwen2" (projection biases), "mistral" (a
+    sliding window), "gemma2"
     (soft-capped attention logits, sliding and global layers) or "gpt_oss" (attention
     sinks); ``overrides`` go to its config."""
     folder = Path(folder)
@@ -43,6 +44,7 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
     )
     extra = {
         "llama": {},
+        "qwen2": {},  # biases on the q, k and v projections
         "mistral": {"sliding_window": 24, "head_dim": 16},
         "gemma2": {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 5.0,
                    "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16,

@@ -279,19 +279,33 @@ def paged_attention(
     rows = k_pool.shape[0] * k_pool.shape[1] * k_pool.shape[2]
     k_pool.view(rows, -1).index_copy_(0, plan.slot_rows, key[0].transpose(0, 1).reshape(-1, key.shape[-1]).to(k_pool.dtype))
     v_pool.view(rows, -1).index_copy_(0, plan.slot_rows, value[0].transpose(0, 1).reshape(-1, value.shape[-1]).to(v_pool.dtype))
+    window = int(sliding_window) if sliding_window else None
+    out = attend_cached(query[0].transpose(0, 1), plan, layer, scaling, window, softcap)
+    return out.unsqueeze(0), None
 
-    heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
+
+def attend_cached(
+    q_all: torch.Tensor, plan: AttentionPlan, layer: int, scaling: float | None,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:
+    """Attention for the step's packed queries ``q_all`` ``[T, heads, dim]`` over layer
+    ``layer``'s pool, the step's own keys and values already written; ``[T, heads,
+    dim]``. Short-query rows together (the CPU kernel, else gathering), prefill chunks
+    row by row."""
+    k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
+    total, heads, dim = q_all.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    window = int(sliding_window) if sliding_window else None
-    q_all = query[0].transpose(0, 1)  # [T, heads, dim]
-    out = query.new_empty(total, heads, dim)
+    kernel = cpu_kernel
+    if plan.num_batched == total and plan.batched_query_len == 1 and kernel is not None and kernel.applies(q_all, k_pool):
+        # Every row a single decode: the packed queries are already the kernel's layout.
+        return kernel.run(q_all, k_pool, v_pool, plan, scale, softcap, window)
+    out = q_all.new_empty(total, heads, dim)
 
     if plan.num_batched:
         b, q_len = plan.num_batched, plan.batched_query_len
         q = q_all[plan.batched_index].view(b * q_len, heads, dim)
-        kernel = cpu_kernel
         if kernel is not None and kernel.applies(q, k_pool):
             o = kernel.run(q, k_pool, v_pool, plan, scale, softcap, window)
         else:
@@ -311,7 +325,7 @@ def paged_attention(
             continue
         o = attend(q.to(k.dtype), k, v, visible(q_pos, chunk.kv_len, window), scale, softcap)
         out[s : s + n] = o.view(heads, n, dim).transpose(0, 1).to(out.dtype)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _batched_by_gathering(

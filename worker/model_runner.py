@@ -23,6 +23,7 @@ from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 from worker.input_batch import NO_LOGPROBS, InputBatch
 from worker.cpu_linear import pack_linear_layers
+from worker.fused_decoder import fused_decoder_for
 from worker.kv_cache import (
     ATTENTION_NAME,
     AttentionPlan,
@@ -86,6 +87,13 @@ class ModelRunner:
             from worker.paged_attention import enable
 
             enable()
+        # Llama-shaped models on CPU: the fused decoder path (the transformers forward
+        # otherwise, and as its reference).
+        self.fused = None
+        if self.device.type == "cpu" and config.cpu_fused_decoder:
+            from worker.paged_attention import load as load_cpu_kernels
+
+            self.fused = fused_decoder_for(self.model, load_cpu_kernels())
         logger.warning(
             "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs,
             num_blocks * per_block / 2**30,
@@ -204,10 +212,13 @@ class ModelRunner:
         keep_t = torch.from_numpy(np.concatenate(keep)).to(self.device)
         t1 = time.perf_counter()
 
-        logits = self.model(
-            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-            use_cache=False, logits_to_keep=keep_t, attention_plan=plan,
-        ).logits[0]
+        if self.fused is not None:
+            logits = self.fused.forward(input_ids, position_ids, plan, keep_t)
+        else:
+            logits = self.model(
+                input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                use_cache=False, logits_to_keep=keep_t, attention_plan=plan,
+            ).logits[0]
         t2 = time.perf_counter()
 
         num_sample_logits = int(s_width.sum())

@@ -30,7 +30,10 @@ import torch
 
 logger = logging.getLogger("raydecode")
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+#: The extension's sources: the kernel (it defines the module) and the fused layer ops
+#: of ``worker/fused_decoder.py``; HEADERS count for the build's identity too.
+SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("layer_ops.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_math.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 
 
@@ -63,7 +66,7 @@ def build_dir() -> Path:
 
     flags = " ".join(compiler_flags())
     torch_home = os.path.dirname(torch.__file__)
-    key = SOURCE.read_bytes() + torch.__version__.encode() + torch_home.encode() + flags.encode()
+    key = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + torch.__version__.encode() + torch_home.encode() + flags.encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_dir() / "kernels" / f"paged_attention-{digest}"
 
@@ -84,7 +87,7 @@ def load() -> Any | None:
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
             module = load_extension(
-                name="raydecode_paged_attention", sources=[str(SOURCE)], build_directory=str(folder),
+                name="raydecode_paged_attention", sources=[str(source) for source in SOURCES], build_directory=str(folder),
                 extra_cflags=compiler_flags(), extra_ldflags=["-fopenmp"], verbose=False,
             )
         except Exception as exc:  # no compiler, no headers: the torch path serves

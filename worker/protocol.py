@@ -105,6 +105,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: CPU only: decode attention with the paged kernel (worker/paged_attention.cpp);
     #: off, or where it cannot be built: the torch path (gather + SDPA)
     cpu_attention_kernel: bool = True
+    #: CPU only: Llama-shaped models run with fused layer ops (worker/fused_decoder.py);
+    #: off, or where it does not apply: the transformers forward
+    cpu_fused_decoder: bool = True
     #: CPU threads for torch; None: the CPUs Ray assigned to the actor (else torch's default).
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     seed: int = 0  # the global stream that unseeded random rows draw from

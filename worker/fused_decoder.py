@@ -1,0 +1,188 @@
+"""The CPU decoder path for Llama-shaped models: the same layers as the transformers
+model, run with a handful of fused ops per layer.
+
+transformers' eager forward dispatches ~30 ops per layer from Python (norms written out
+as pow / mean / rsqrt / mul, rotary as slices, cat and muls, the residual adds, views
+and transposes); on this project's 2-core CPU that is ~900 ops and ~20 ms of a 65 ms
+batch-1 decode step of SmolLM2, on top of the ~40 ms the matmuls need to read the
+weights. Here a layer is ten calls, the residual stream ``h`` updated in place:
+
+    x = rms_norm(d, residual=h)                (layer_ops.cpp: h += d, the previous
+                                                layer's MLP output, then x = norm(h))
+    q, k, v = linears of x                     (prepacked oneDNN weights)
+    rotary_to_cache(q, k, v, ...)              (layer_ops.cpp: rotates q in place, k and
+                                                v straight into the paged pool)
+    a = attend_cached(q)                       (worker/kv_cache.py: the paged kernel for
+                                                short rows, SDPA for prefill chunks)
+    x = rms_norm(o_proj(a), residual=h)
+    g, u = gate_proj(x), up_proj(x)
+    silu_mul(g, g, u)                          (layer_ops.cpp)
+    d = down_proj(g)
+
+(oneDNN can fuse SiLU, the product and the adds into the matmuls as post-ops; those ran
+2-4% slower than separate passes here at 64 and 512 rows.)
+
+It applies where the model is one of the families whose layers are exactly that
+(``FAMILIES``: Llama, Mistral, Qwen2, with or without projection biases, any rotary
+scaling transformers implements, sliding windows), on CPU, float32 or bfloat16, with
+the CPU kernels built; anywhere else the transformers forward runs (it stays the
+reference: ``tests/test_fused_decoder.py`` checks this path's logits and greedy tokens
+against it, and ``cpu_fused_decoder=False`` turns this path off).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.cpu_linear import PackedLinear
+from worker.kv_cache import AttentionPlan, attend_cached
+
+logger = logging.getLogger("raydecode")
+
+#: model_type -> the causal-LM class whose decoder layers this path reproduces.
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    if isinstance(layer, PackedLinear):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    return F.linear(x, layer.weight, layer.bias)
+
+
+@dataclass
+class FusedLayer:
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor
+    eps: float
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    scaling: float
+    sliding_window: int | None
+
+
+class FusedDecoder:
+    """Runs ``model``'s decoder stack and LM head for one step's packed tokens."""
+
+    def __init__(self, model: nn.Module, ops: Any) -> None:
+        self.ops = ops
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.final_norm = inner.norm.weight.detach()
+        self.final_eps = float(inner.norm.variance_epsilon)
+        self.lm_head = model.lm_head
+        self.layers = [
+            FusedLayer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                eps=float(layer.input_layernorm.variance_epsilon),
+                q_proj=layer.self_attn.q_proj, k_proj=layer.self_attn.k_proj,
+                v_proj=layer.self_attn.v_proj, o_proj=layer.self_attn.o_proj,
+                gate_proj=layer.mlp.gate_proj, up_proj=layer.mlp.up_proj, down_proj=layer.mlp.down_proj,
+                scaling=float(layer.self_attn.scaling),
+                sliding_window=_sliding_window(layer.self_attn, model.config),
+            )
+            for layer in inner.layers
+        ]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of ``x``; with ``residual``: ``residual += x`` (in place) first, and
+        the norm of the sum."""
+        out = torch.empty_like(x)
+        self.ops.rms_norm(out, x, residual, weight, eps)
+        return out
+
+    def mlp(self, x: torch.Tensor, layer: FusedLayer) -> torch.Tensor:
+        gate, up = linear(x, layer.gate_proj), linear(x, layer.up_proj)
+        self.ops.silu_mul(gate, gate, up)
+        return linear(gate, layer.down_proj)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """``input_ids``, ``position_ids`` ``[T]``; the logits ``[len(logits_rows),
+        vocab]`` of the packed positions ``logits_rows``."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]: the residual stream, updated in place
+        cos, sin = self.rotary_emb(h, position_ids.unsqueeze(0))
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        tokens = h.shape[0]
+        cache = plan.cache
+        out = None  # the previous layer's MLP output, still to be added into h
+        for index, layer in enumerate(self.layers):
+            x = self.rms_norm(h if out is None else out, layer.input_norm, layer.eps, None if out is None else h)
+            q, k, v = linear(x, layer.q_proj), linear(x, layer.k_proj), linear(x, layer.v_proj)
+            self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
+            head_dim = cache.keys[index].shape[-1]
+            a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window, None)
+            x = self.rms_norm(linear(a.reshape(tokens, -1), layer.o_proj), layer.post_norm, layer.eps, h)
+            out = self.mlp(x, layer)
+        h.add_(out)
+        last = self.rms_norm(h.index_select(0, logits_rows), self.final_norm, self.final_eps)
+        return linear(last, self.lm_head)
+
+
+def _sliding_window(attn: nn.Module, config: Any) -> int | None:
+    """The window the transformers layer passes to its attention call: Qwen2 keeps it
+    per layer, Mistral reads the config's, Llama has none."""
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window
+    else:
+        window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    return int(window) if window else None
+
+
+def fused_decoder_for(model: nn.Module, ops: Any | None) -> FusedDecoder | None:
+    """A ``FusedDecoder`` for ``model`` when this path reproduces it; else None, with
+    the reason logged at debug level."""
+    reason = _why_not(model, ops)
+    if reason is not None:
+        logger.debug("the fused CPU decoder does not apply: %s; the transformers forward runs", reason)
+        return None
+    return FusedDecoder(model, ops)
+
+
+def _why_not(model: nn.Module, ops: Any | None) -> str | None:
+    if ops is None or not hasattr(ops, "rotary_to_cache"):
+        return "the CPU kernels are not built"
+    config = model.config
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or type(model).__name__ != family:
+        return f"{type(model).__name__} ({getattr(config, 'model_type', None)}) is not one of {sorted(FAMILIES.values())}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
+        return f"{param.device.type} {param.dtype} (CPU float32 or bfloat16 only)"
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "rotary_emb", "norm", "layers")
+    if inner is None or any(not hasattr(inner, name) for name in needed):
+        return "the model lacks the Llama layout (model.embed_tokens, rotary_emb, norm, layers)"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(not isinstance(p, (nn.Linear, PackedLinear)) for p in projections):
+            return "a layer's projections are not plain linear layers"
+        norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+        if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):
+            return "a layer's norms are not RMSNorm"
+        extra = {name for name, _ in layer.named_children()} - {"self_attn", "mlp", *("input_layernorm", "post_attention_layernorm")}
+        if extra or {name for name, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj"}:
+            return f"a layer has modules this path does not run ({sorted(extra) or 'in self_attn'})"
+    head_dim = getattr(inner.layers[0].self_attn, "head_dim", None)
+    probe = torch.zeros(1, 1, dtype=param.dtype)
+    cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
+    if cos.shape[-1] != head_dim:
+        return f"partial rotary ({cos.shape[-1]} of {head_dim} dimensions)"
+    return None
