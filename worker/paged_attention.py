@@ -10,6 +10,9 @@ reference it is tested against and the fallback wherever the kernel does not app
 pre-paged cache gave it); SmolLM2's whole decode step at batch 64, ~336 deep, went from
 ~500 ms with the dense cache to ~400 ms (``tests/bench/paged_attention.py``).
 
+The same extension carries the fused layer ops (``layer_ops.cpp``: RMSNorm with the
+residual add, rotary into the pool, SiLU-mul) that ``worker/fused_decoder.py`` runs.
+
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` into
 ``$RAYDECODE_CACHE/kernels`` (``make setup`` does it ahead: ``python -m
 worker.paged_attention``), for the instruction set of the CPU it runs on (AVX2 + FMA
