@@ -58,8 +58,9 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 @dataclass
 class FusedLayer:
     input_norm: torch.Tensor  # [hidden]
+    input_eps: float
     post_norm: torch.Tensor
-    eps: float
+    post_eps: float
     q_proj: nn.Module
     k_proj: nn.Module
     v_proj: nn.Module
@@ -85,8 +86,9 @@ class FusedDecoder:
         self.layers = [
             FusedLayer(
                 input_norm=layer.input_layernorm.weight.detach(),
+                input_eps=float(layer.input_layernorm.variance_epsilon),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                eps=float(layer.input_layernorm.variance_epsilon),
+                post_eps=float(layer.post_attention_layernorm.variance_epsilon),
                 q_proj=layer.self_attn.q_proj, k_proj=layer.self_attn.k_proj,
                 v_proj=layer.self_attn.v_proj, o_proj=layer.self_attn.o_proj,
                 gate_proj=layer.mlp.gate_proj, up_proj=layer.mlp.up_proj, down_proj=layer.mlp.down_proj,
@@ -118,14 +120,17 @@ class FusedDecoder:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = h.shape[0]
         cache = plan.cache
+        head_dim = cache.keys[0].shape[-1]
         out = None  # the previous layer's MLP output, still to be added into h
         for index, layer in enumerate(self.layers):
-            x = self.rms_norm(h if out is None else out, layer.input_norm, layer.eps, None if out is None else h)
+            if out is None:
+                x = self.rms_norm(h, layer.input_norm, layer.input_eps)
+            else:
+                x = self.rms_norm(out, layer.input_norm, layer.input_eps, residual=h)
             q, k, v = linear(x, layer.q_proj), linear(x, layer.k_proj), linear(x, layer.v_proj)
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
-            head_dim = cache.keys[index].shape[-1]
             a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window, None)
-            x = self.rms_norm(linear(a.reshape(tokens, -1), layer.o_proj), layer.post_norm, layer.eps, h)
+            x = self.rms_norm(linear(a.reshape(tokens, -1), layer.o_proj), layer.post_norm, layer.post_eps, residual=h)
             out = self.mlp(x, layer)
         h.add_(out)
         last = self.rms_norm(h.index_select(0, logits_rows), self.final_norm, self.final_eps)
@@ -144,10 +149,10 @@ def _sliding_window(attn: nn.Module, config: Any) -> int | None:
 
 def fused_decoder_for(model: nn.Module, ops: Any | None) -> FusedDecoder | None:
     """A ``FusedDecoder`` for ``model`` when this path reproduces it; else None, with
-    the reason logged at debug level."""
+    the reason logged."""
     reason = _why_not(model, ops)
     if reason is not None:
-        logger.debug("the fused CPU decoder does not apply: %s; the transformers forward runs", reason)
+        logger.info("the fused CPU decoder does not apply: %s; the transformers forward runs", reason)
         return None
     return FusedDecoder(model, ops)
 
@@ -177,7 +182,7 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):
             return "a layer's norms are not RMSNorm"
-        extra = {name for name, _ in layer.named_children()} - {"self_attn", "mlp", *("input_layernorm", "post_attention_layernorm")}
+        extra = {name for name, _ in layer.named_children()} - {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
         if extra or {name for name, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj"}:
             return f"a layer has modules this path does not run ({sorted(extra) or 'in self_attn'})"
     head_dim = getattr(inner.layers[0].self_attn, "head_dim", None)
