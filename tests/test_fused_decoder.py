@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from sampler.params import SamplingParams
-from tests.tiny_model import build_tiny_model
-from worker.actor import Worker
+from test_model_runner import make_worker, prompts
+from tiny_model import build_tiny_model
 from worker.paged_attention import load as load_cpu_kernels
-from worker.protocol import WorkerConfig
 from worker_driver import MiniDriver
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels cannot be built here")
@@ -29,22 +28,12 @@ def tiny(tmp_path_factory, arch: str) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch))
 
 
-def make_runner(path: str, **config):
-    w = Worker()
-    w.load(WorkerConfig(model=path, max_num_seqs=4, max_model_len=256, **config))
-    return w, w._runner
-
-
-def prompts(lengths, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
 def run_both_ways(path: str, tol: float, **config) -> tuple[int, float]:
     """A batch run where each forward goes through transformers and then the fused
     path; returns (steps compared, the largest logit difference). The run continues on
     the transformers logits, so both see the same history."""
-    w, runner = make_runner(path, **config)
+    w = make_worker(path, **config)
+    runner = w._runner
     fused = runner.fused
     assert fused is not None, "the fused path should apply to this model"
     model = runner.model
@@ -66,7 +55,7 @@ def run_both_ways(path: str, tol: float, **config) -> tuple[int, float]:
     # prompt); prompts longer than the mistral window (24).
     driver = MiniDriver(w.step, max_rows=4, token_budget=56, chunk=40)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    for i, p in enumerate(prompts([3, 70, 17, 45, 90, 6], seed=7) + [prompts([5], seed=8)[0] * 8]):
+    for i, p in enumerate(prompts(VOCAB, [3, 70, 17, 45, 90, 6], seed=7) + [prompts(VOCAB, [5], seed=8)[0] * 8]):
         driver.submit(f"r{i}", p, params, arrival_step=2 * i)
     done = driver.run()
     assert all(len(r.output) == 12 and r.error is None for r in done.values())
@@ -92,8 +81,7 @@ def test_fused_logits_match_in_bfloat16(tmp_path_factory):
 
 @pytest.mark.parametrize(("arch", "config"), [("gemma2", {}), ("llama", {"cpu_fused_decoder": False})])
 def test_other_families_and_the_switch_keep_the_transformers_forward(tmp_path_factory, arch, config):
-    _, runner = make_runner(tiny(tmp_path_factory, arch), **config)
-    assert runner.fused is None
+    assert make_worker(tiny(tmp_path_factory, arch), **config)._runner.fused is None
 
 
 def test_layer_ops_refuse_bad_arguments():
