@@ -12,7 +12,8 @@ namespace raydecode {
 
 // exp (the softmax's, SiLU's), written so the compiler vectorizes loops over it: Cody-Waite
 // range reduction and a degree-6 polynomial (relative error below 2e-7 over the float
-// range; exp(-inf) = 0).
+// range; exp(-inf) = 0). GCC only vectorizes the clamps (and so any loop calling this)
+// with -fno-trapping-math, which the build passes (paged_attention.compiler_flags).
 inline float fast_exp(float x) {
   x = std::max(x, -87.33654f);
   x = std::min(x, 88.72283f);
