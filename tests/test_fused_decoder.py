@@ -79,6 +79,24 @@ def test_fused_logits_match_in_bfloat16(tmp_path_factory):
     run_both_ways(tiny(tmp_path_factory, "llama"), tol=0.15, dtype="bfloat16")
 
 
+def test_merged_projections_compute_the_models_own_projections(tmp_path_factory):
+    """The fused path runs each layer's q/k/v and gate/up as one merged matmul; every
+    projection, still a module of the model (a slice of the merged one), must give what
+    the checkpoint's separate linear gives (Qwen2: q, k and v carry biases)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny(tmp_path_factory, "qwen2")
+    runner = make_worker(path)._runner
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    x = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layer, ref, fused in zip(runner.model.model.layers, reference.model.layers, runner.fused.layers):
+        assert len(fused.qkv) == 1 and len(fused.gate_up) == 1, "the fused layer should run the merged linears"
+        for parent, ref_parent, names in ((layer.self_attn, ref.self_attn, ("q_proj", "k_proj", "v_proj")),
+                                          (layer.mlp, ref.mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                torch.testing.assert_close(getattr(parent, name)(x), getattr(ref_parent, name)(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("arch", "config"), [("gemma2", {}), ("llama", {"cpu_fused_decoder": False})])
 def test_other_families_and_the_switch_keep_the_transformers_forward(tmp_path_factory, arch, config):
     assert make_worker(tiny(tmp_path_factory, arch), **config)._runner.fused is None
@@ -96,7 +114,11 @@ def test_layer_ops_refuse_bad_arguments():
     with pytest.raises(RuntimeError, match="shapes differ"):
         ops.rms_norm(torch.empty(3, 8), torch.randn(3, 8), None, torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="dtypes differ"):
-        ops.silu_mul(torch.empty(4), torch.randn(4), torch.randn(4, dtype=torch.float64))
+        ops.silu_mul(torch.empty(2, 4), torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.silu_mul(torch.empty(4), torch.randn(4), torch.randn(4))
+    with pytest.raises(RuntimeError, match="contiguous rows"):  # columns strided
+        ops.silu_mul(torch.empty(2, 4), torch.randn(4, 2).t(), torch.randn(2, 4))
 
 
 def test_rotary_and_norms_match_their_definitions():
@@ -115,6 +137,12 @@ def test_rotary_and_norms_match_their_definitions():
     act = torch.empty_like(gate)
     ops.silu_mul(act, gate, up)
     torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    # gate and up as the two halves of one merged projection's rows (strided rows),
+    # enough elements that the vectorised loop and several threads take part
+    gate_up = torch.randn(9, 2 * 1000, generator=g) * 8
+    act = torch.empty(9, 1000)
+    ops.silu_mul(act, *gate_up.split(1000, dim=-1))
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate_up[:, :1000]) * gate_up[:, 1000:], rtol=1e-5, atol=1e-5)
     # rotary: 2 tokens, 2 query heads, 1 KV head, head_dim 8, blocks of 4 slots
     q, k, v = torch.randn(2, 16, generator=g), torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
     angle = torch.randn(2, 4, generator=g)

@@ -9,14 +9,16 @@ weights. Here a layer is ten calls, the residual stream ``h`` updated in place:
 
     x = rms_norm(d, residual=h)                (layer_ops.cpp: h += d, the previous
                                                 layer's MLP output, then x = norm(h))
-    q, k, v = linears of x                     (prepacked oneDNN weights)
+    q, k, v = linears of x                     (prepacked oneDNN weights; one merged
+                                                matmul split three ways where the
+                                                model's projections were merged)
     rotary_to_cache(q, k, v, ...)              (layer_ops.cpp: rotates q in place, k and
                                                 v straight into the paged pool)
     a = attend_cached(q)                       (worker/kv_cache.py: the paged kernel for
                                                 short rows, SDPA for prefill chunks)
     x = rms_norm(o_proj(a), residual=h)
-    g, u = gate_proj(x), up_proj(x)
-    silu_mul(g, g, u)                          (layer_ops.cpp)
+    g, u = gate_proj(x), up_proj(x)            (likewise one matmul where merged)
+    silu_mul(a, g, u)                          (layer_ops.cpp)
     d = down_proj(g)
 
 (oneDNN can fuse SiLU, the product and the adds into the matmuls as post-ops; those ran
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.cpu_linear import PackedLinear
+from worker.cpu_linear import LinearSlice, PackedLinear, merge_linears, merged_parts
 from worker.kv_cache import AttentionPlan, attend_cached
 
 logger = logging.getLogger("raydecode")
@@ -55,18 +57,45 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+def projections(x: torch.Tensor, linears: tuple[nn.Module, ...], sizes: list[int] | None) -> tuple[torch.Tensor, ...]:
+    """The outputs of projections that read ``x``: one merged matmul split into column
+    views (``sizes``), or each linear in turn."""
+    if sizes is not None:
+        return linear(x, linears[0]).split(sizes, dim=-1)
+    return tuple(linear(x, m) for m in linears)
+
+
+def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], list[int] | None]:
+    """What ``projections`` runs for ``parts``: their merged linear and sizes when they
+    are its slices, else the parts themselves."""
+    merged = merged_parts(parts)
+    if merged is not None:
+        return (merged[0],), merged[1]
+    return tuple(parts), None
+
+
+def merge_projections(model: nn.Module) -> int:
+    """Merges each layer's q, k, v and its gate, up projections into one linear each
+    (``worker.cpu_linear.merge_linears``); the number of groups merged. Run before the
+    linears are packed."""
+    merged = 0
+    for layer in model.model.layers:
+        merged += merge_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        merged += merge_linears(layer.mlp, ("gate_proj", "up_proj"))
+    return merged
+
+
 @dataclass
 class FusedLayer:
     input_norm: torch.Tensor  # [hidden]
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
+    qkv: tuple[nn.Module, ...]  # the merged q/k/v linear, or q, k and v
+    qkv_sizes: list[int] | None  # its split when merged
     o_proj: nn.Module
-    gate_proj: nn.Module
-    up_proj: nn.Module
+    gate_up: tuple[nn.Module, ...]
+    gate_up_sizes: list[int] | None
     down_proj: nn.Module
     scaling: float
     sliding_window: int | None
@@ -83,20 +112,23 @@ class FusedDecoder:
         self.final_norm = inner.norm.weight.detach()
         self.final_eps = float(inner.norm.variance_epsilon)
         self.lm_head = model.lm_head
-        self.layers = [
-            FusedLayer(
-                input_norm=layer.input_layernorm.weight.detach(),
-                input_eps=float(layer.input_layernorm.variance_epsilon),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-                q_proj=layer.self_attn.q_proj, k_proj=layer.self_attn.k_proj,
-                v_proj=layer.self_attn.v_proj, o_proj=layer.self_attn.o_proj,
-                gate_proj=layer.mlp.gate_proj, up_proj=layer.mlp.up_proj, down_proj=layer.mlp.down_proj,
-                scaling=float(layer.self_attn.scaling),
-                sliding_window=_sliding_window(layer.self_attn, model.config),
-            )
-            for layer in inner.layers
-        ]
+        self.layers = [self._layer(layer, model.config) for layer in inner.layers]
+
+    @staticmethod
+    def _layer(layer: nn.Module, config: Any) -> FusedLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_sizes = projection_group([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, gate_up_sizes = projection_group([mlp.gate_proj, mlp.up_proj])
+        return FusedLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            input_eps=float(layer.input_layernorm.variance_epsilon),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+            qkv=qkv, qkv_sizes=qkv_sizes, o_proj=attn.o_proj,
+            gate_up=gate_up, gate_up_sizes=gate_up_sizes, down_proj=mlp.down_proj,
+            scaling=float(attn.scaling),
+            sliding_window=_sliding_window(attn, config),
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,9 +139,10 @@ class FusedDecoder:
         return out
 
     def mlp(self, x: torch.Tensor, layer: FusedLayer) -> torch.Tensor:
-        gate, up = linear(x, layer.gate_proj), linear(x, layer.up_proj)
-        self.ops.silu_mul(gate, gate, up)
-        return linear(gate, layer.down_proj)
+        gate, up = projections(x, layer.gate_up, layer.gate_up_sizes)
+        act = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
+        self.ops.silu_mul(act, gate, up)
+        return linear(act, layer.down_proj)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
                 logits_rows: torch.Tensor) -> torch.Tensor:
@@ -127,7 +160,7 @@ class FusedDecoder:
                 x = self.rms_norm(h, layer.input_norm, layer.input_eps)
             else:
                 x = self.rms_norm(out, layer.input_norm, layer.input_eps, residual=h)
-            q, k, v = linear(x, layer.q_proj), linear(x, layer.k_proj), linear(x, layer.v_proj)
+            q, k, v = projections(x, layer.qkv, layer.qkv_sizes)
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
             a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window, None)
             x = self.rms_norm(linear(a.reshape(tokens, -1), layer.o_proj), layer.post_norm, layer.post_eps, residual=h)
@@ -147,14 +180,13 @@ def _sliding_window(attn: nn.Module, config: Any) -> int | None:
     return int(window) if window else None
 
 
-def fused_decoder_for(model: nn.Module, ops: Any | None) -> FusedDecoder | None:
-    """A ``FusedDecoder`` for ``model`` when this path reproduces it; else None, with
-    the reason logged."""
+def fused_decoder_applies(model: nn.Module, ops: Any | None) -> bool:
+    """Whether this path reproduces ``model`` (with the CPU kernels ``ops``); the
+    reason it does not is logged."""
     reason = _why_not(model, ops)
     if reason is not None:
         logger.info("the fused CPU decoder does not apply: %s; the transformers forward runs", reason)
-        return None
-    return FusedDecoder(model, ops)
+    return reason is None
 
 
 def _why_not(model: nn.Module, ops: Any | None) -> str | None:
@@ -177,7 +209,7 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(not isinstance(p, (nn.Linear, PackedLinear)) for p in projections):
+        if any(not isinstance(p, (nn.Linear, PackedLinear, LinearSlice)) for p in projections):
             return "a layer's projections are not plain linear layers"
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):

@@ -63,16 +63,24 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
   });
 }
 
-// silu(gate) * up, elementwise; silu(g) = g / (1 + exp(-g)) rounded to T before the
-// product (transformers' act_fn(gate_proj(x)) * up_proj(x)).
+// silu(gate) * up, elementwise over [rows, cols]; silu(g) = g / (1 + exp(-g)) rounded to
+// T before the product (transformers' act_fn(gate_proj(x)) * up_proj(x)). Rows may be
+// strided (gate and up as the two halves of one merged gate/up projection's output).
 template <typename T>
-void silu_mul_impl(T* out, const T* gate, const T* up, int64_t n) {
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+void silu_mul_impl(T* out, const T* gate, const T* up, int64_t rows, int64_t cols, int64_t out_stride,
+                   int64_t gate_stride, int64_t up_stride) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g_row = gate + r * gate_stride;
+      const T* u_row = up + r * up_stride;
+      T* o_row = out + r * out_stride;
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) {
-      const float g = to_float(gate[i]);
-      const T act = static_cast<T>(g / (1.f + fast_exp(-g)));
-      out[i] = static_cast<T>(to_float(act) * to_float(up[i]));
+      for (int64_t i = 0; i < cols; ++i) {
+        const float g = to_float(g_row[i]);
+        const T act = static_cast<T>(g / (1.f + fast_exp(-g)));
+        o_row[i] = static_cast<T>(to_float(act) * to_float(u_row[i]));
+      }
     }
   });
 }
@@ -149,15 +157,19 @@ void rms_norm(torch::Tensor out, torch::Tensor x, std::optional<torch::Tensor> r
 }
 
 void silu_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
-  TORCH_CHECK(out.device().is_cpu() && gate.is_contiguous() && up.is_contiguous() && out.is_contiguous(),
-              "silu_mul wants contiguous CPU tensors");
+  check_rows(out, "out");
+  check_rows(gate, "gate");
+  check_rows(up, "up");
   TORCH_CHECK(gate.sizes() == up.sizes() && out.sizes() == gate.sizes(), "silu_mul: shapes differ");
   TORCH_CHECK(gate.scalar_type() == up.scalar_type() && out.scalar_type() == gate.scalar_type(), "silu_mul: dtypes differ");
+  const int64_t rows = gate.size(0), cols = gate.size(1);
   if (gate.scalar_type() == at::kFloat) {
-    silu_mul_impl(out.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(), gate.numel());
+    silu_mul_impl(out.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(), rows, cols, out.stride(0),
+                  gate.stride(0), up.stride(0));
   } else if (gate.scalar_type() == at::kBFloat16) {
     using B = c10::BFloat16;
-    silu_mul_impl(out.data_ptr<B>(), gate.data_ptr<B>(), up.data_ptr<B>(), gate.numel());
+    silu_mul_impl(out.data_ptr<B>(), gate.data_ptr<B>(), up.data_ptr<B>(), rows, cols, out.stride(0), gate.stride(0),
+                  up.stride(0));
   } else {
     TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
   }

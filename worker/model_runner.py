@@ -23,7 +23,7 @@ from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 from worker.input_batch import NO_LOGPROBS, InputBatch
 from worker.cpu_linear import pack_linear_layers
-from worker.fused_decoder import fused_decoder_for
+from worker.fused_decoder import FusedDecoder, fused_decoder_applies, merge_projections
 from worker.kv_cache import (
     ATTENTION_NAME,
     AttentionPlan,
@@ -65,6 +65,17 @@ class ModelRunner:
         self.loaded: LoadedModel = loaded
         self.model = loaded.model
         self.device = loaded.device
+        # Llama-shaped models on CPU: the fused decoder path (the transformers forward
+        # otherwise, and as its reference), its projections merged before packing.
+        fused_ops = None
+        if self.device.type == "cpu" and config.cpu_fused_decoder:
+            from worker.paged_attention import load as load_cpu_kernels
+
+            fused_ops = load_cpu_kernels()
+            if fused_decoder_applies(self.model, fused_ops):
+                merge_projections(self.model)
+            else:
+                fused_ops = None
         self.num_packed_linear = 0
         if self.device.type == "cpu" and config.cpu_packed_linear:
             self.num_packed_linear = pack_linear_layers(self.model)
@@ -87,13 +98,7 @@ class ModelRunner:
             from worker.paged_attention import enable
 
             enable()
-        # Llama-shaped models on CPU: the fused decoder path (the transformers forward
-        # otherwise, and as its reference).
-        self.fused = None
-        if self.device.type == "cpu" and config.cpu_fused_decoder:
-            from worker.paged_attention import load as load_cpu_kernels
-
-            self.fused = fused_decoder_for(self.model, load_cpu_kernels())
+        self.fused = FusedDecoder(self.model, fused_ops) if fused_ops is not None else None
         logger.warning(
             "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs,
             num_blocks * per_block / 2**30,
