@@ -5,7 +5,8 @@ transformers' eager forward dispatches ~30 ops per layer from Python (norms writ
 as pow / mean / rsqrt / mul, rotary as slices, cat and muls, the residual adds, views
 and transposes); on this project's 2-core CPU that is ~900 ops and ~20 ms of a 65 ms
 batch-1 decode step of SmolLM2, on top of the ~40 ms the matmuls need to read the
-weights. Here a layer is ten calls, the residual stream ``h`` updated in place:
+weights. Here a layer is nine calls (ten where the projections are not merged), the
+residual stream ``h`` updated in place:
 
     x = rms_norm(d, residual=h)                (layer_ops.cpp: h += d, the previous
                                                 layer's MLP output, then x = norm(h))
@@ -18,8 +19,8 @@ weights. Here a layer is ten calls, the residual stream ``h`` updated in place:
                                                 short rows, SDPA for prefill chunks)
     x = rms_norm(o_proj(a), residual=h)
     g, u = gate_proj(x), up_proj(x)            (likewise one matmul where merged)
-    silu_mul(a, g, u)                          (layer_ops.cpp)
-    d = down_proj(g)
+    silu_mul(s, g, u)                          (layer_ops.cpp: s = silu(g) * u)
+    d = down_proj(s)
 
 (oneDNN can fuse SiLU, the product and the adds into the matmuls as post-ops; those ran
 2-4% slower than separate passes here at 64 and 512 rows.)
