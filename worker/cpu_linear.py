@@ -7,7 +7,7 @@ machine (``tests/bench/worker_step.py`` prints the per-shape numbers). Results e
 ``F.linear`` up to float32 rounding (summation order).
 
 Projections that read the same input (a layer's q, k and v; its MLP's gate and up) can
-be stacked into one linear first (``merge_projections``, for the fused decoder): one
+be stacked into one linear first (``merge_linears``, for the fused decoder): one
 matmul call instead of three or two, which at one to a few rows, where each call reads
 its weights and pays its dispatch, is 5-9% of a decode step. Each projection stays a
 module of the model (``LinearSlice``: its columns of the merged output), so the weights
@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
 
 
 class LinearSlice(nn.Module):
-    """Output features ``[start, stop)`` of a merged linear (``merge_projections``):
+    """Output features ``[start, stop)`` of a merged linear (``merge_linears``):
     one projection of several stacked into one matmul. Called alone it runs the whole
     merged linear and returns its columns (a view): the transformers forward, which
     calls q, k and v one by one, stays correct; the fused decoder runs ``merged`` once
@@ -99,16 +99,16 @@ def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     if bounds[0][0] != 0 or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
         return None
     merged = parts[0].merged
-    total = merged.out_features
-    if bounds[-1][1] != total:
+    if bounds[-1][1] != merged.out_features:
         return None
     return merged, [p.out_features for p in parts]
 
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Swaps every float32 CPU ``nn.Linear`` of ``model`` for a ``PackedLinear``
-    (inference only); returns how many were swapped. Checks the first one against
-    ``F.linear`` and leaves the model untouched if the op misbehaves."""
+    (inference only; a merged linear shared by its slices is packed once); returns
+    how many it packed. Checks the first one against ``F.linear`` and leaves the model
+    untouched if the op misbehaves."""
     if not packed_linear_available():
         return 0
     targets = [
