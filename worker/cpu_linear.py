@@ -76,13 +76,13 @@ def merge_linears(parent: nn.Module, names: tuple[str, ...]) -> bool:
         return False
     if len({p.bias is None for p in parts}) != 1:
         return False
+    # Built on the meta device and given the stacked tensors: no random initialisation
+    # to overwrite, and no second copy of the weights while loading.
     merged = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                       device=first.device, dtype=first.dtype)
-    with torch.no_grad():
-        merged.weight.copy_(torch.cat([p.weight.detach() for p in parts]))
-        if merged.bias is not None:
-            merged.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
-    merged.requires_grad_(False)
+                       device="meta", dtype=first.dtype)
+    merged.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    if merged.bias is not None:
+        merged.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
     start = 0
     for name, part in zip(names, parts):
         setattr(parent, name, LinearSlice(merged, start, start + part.out_features))
