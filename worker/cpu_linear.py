@@ -6,6 +6,12 @@ linear with the weight reordered once into its blocked layout (what inductor's
 machine (``tests/bench/worker_step.py`` prints the per-shape numbers). Results equal
 ``F.linear`` up to float32 rounding (summation order).
 
+bfloat16 weights are packed too where oneDNN has a native bf16 matmul (AVX512-BF16 or
+AMX: ``packable_dtypes``): there the packed bf16 linear runs about twice the float32
+rate (415 against 211 GFLOPS at 64-512 rows on this project's 2-core Zen 4 VM) and reads
+half the bytes at one row. Without those instructions bf16 would only be converted to
+float32 and back, and stays ``F.linear``.
+
 Projections that read the same input (a layer's q, k and v; its MLP's gate and up) can
 be stacked into one linear first (``merge_linears``, for the fused decoder): one
 matmul call instead of three or two, which at one to a few rows, where each call reads
@@ -23,6 +29,22 @@ from torch import nn
 
 def packed_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes ``pack_linear_layers`` packs on this CPU: float32, and bfloat16
+    where oneDNN runs it natively."""
+    if not packed_linear_available():
+        return ()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
+
+
+#: (rtol, atol) of the load-time check of a packed linear against ``F.linear``: float32
+#: differs by summation order; bfloat16 outputs are rounded to 8 bits of mantissa, so
+#: one rounding step apart (2**-8 relative) is the same answer.
+PACK_CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 
 
 class PackedLinear(nn.Module):
@@ -90,6 +112,26 @@ def merge_linears(parent: nn.Module, names: tuple[str, ...]) -> bool:
     return True
 
 
+def _first_of_each_dtype(targets: list[tuple[nn.Module, str, nn.Linear]]) -> list[nn.Linear]:
+    first: dict[torch.dtype, nn.Linear] = {}
+    for _, _, child in targets:
+        first.setdefault(child.weight.dtype, child)
+    return list(first.values())
+
+
+def _packs_correctly(probe: nn.Linear) -> bool:
+    """Whether the packed op gives ``F.linear``'s answer for ``probe``."""
+    dtype = probe.weight.dtype
+    x = torch.randn(3, probe.in_features).to(dtype)
+    rtol, atol = PACK_CHECK_TOLERANCE[dtype]
+    try:
+        got = PackedLinear(probe)(x)
+    except RuntimeError:
+        return False
+    want = F.linear(x, probe.weight, probe.bias)
+    return got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
 def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     """``(merged linear, output sizes)`` when ``parts`` are, in order, the consecutive
     slices covering one merged linear; else None."""
@@ -105,29 +147,19 @@ def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Swaps every float32 CPU ``nn.Linear`` of ``model`` for a ``PackedLinear``
-    (inference only; a merged linear shared by its slices is packed once); returns
-    how many it packed. Checks the first one against ``F.linear`` and leaves the model
-    untouched if the op misbehaves."""
-    if not packed_linear_available():
-        return 0
+    """Swaps every CPU ``nn.Linear`` of ``model`` whose dtype this CPU packs
+    (``packable_dtypes``) for a ``PackedLinear`` (inference only; a merged linear shared
+    by its slices is packed once); returns how many it packed. Checks the first one of
+    each dtype against ``F.linear`` and leaves the model untouched if the op misbehaves."""
+    dtypes = packable_dtypes()
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32
+        if type(child) is nn.Linear and child.weight.dtype in dtypes
         and child.weight.device.type == "cpu"
     ]
-    if not targets:
-        return 0
-    probe = targets[0][2]
-    x = torch.randn(3, probe.in_features)
-    try:
-        packed = PackedLinear(probe)
-        ok = torch.allclose(packed(x), F.linear(x, probe.weight, probe.bias), rtol=1e-4, atol=1e-4)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not targets or not all(_packs_correctly(probe) for probe in _first_of_each_dtype(targets)):
         return 0
     packed_by_id: dict[int, PackedLinear] = {}  # a merged linear is a child of each of its slices
     for parent, name, child in targets:
