@@ -160,3 +160,33 @@ def test_rotary_and_norms_match_their_definitions():
     flat_k, flat_v = k_pool.view(-1, 8), v_pool.view(-1, 8)
     torch.testing.assert_close(flat_k[[9, 2]], expect_k.view(2, 8))
     torch.testing.assert_close(flat_v[[9, 2]], v)
+
+
+def test_bfloat16_layer_ops_round_as_torch_does():
+    """The bf16 ops convert with bit operations (vectorized) instead of c10's calls; the
+    roundings must be torch's: round to nearest even, NaN stays NaN, infinities and
+    overflow to infinity. silu_mul is bit-exact against torch's silu, rounded, times
+    up, rounded; the residual add of rms_norm likewise; the norm within one rounding."""
+    ops = load_cpu_kernels()
+    g = torch.Generator().manual_seed(1)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1 + 2**-8, 1 + 3 * 2**-8,
+                            3.39e38, -3.39e38, 1e-40])
+    up = torch.cat([special, torch.randn(4000, generator=g) * 100]).view(-1, 10).bfloat16()
+    gate = (torch.randn(up.shape, generator=g) * 8).bfloat16()
+    gate[0, :3] = torch.tensor([80.0, -80.0, 0.0])
+    act = torch.empty_like(up)
+    ops.silu_mul(act, gate, up)
+    want = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
+    assert torch.equal(act.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+    assert bool(act.isnan().eq(want.isnan()).all())
+    x = (torch.randn(6, 40, generator=g) * 3).bfloat16()
+    res = (torch.randn(6, 40, generator=g) * 3).bfloat16()
+    w = torch.randn(40, generator=g).bfloat16()
+    out, summed = torch.empty_like(x), res.clone()
+    ops.rms_norm(out, x, summed, w, 1e-5)
+    want_sum = (res.float() + x.float()).bfloat16()
+    assert torch.equal(summed.view(torch.int16), want_sum.view(torch.int16))
+    s = want_sum.float()
+    normed = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    want_out = (w.float() * normed.float()).bfloat16()
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2**-7, atol=1e-6)

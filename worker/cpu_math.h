@@ -35,7 +35,34 @@ inline float fast_exp(float x) {
   return out;
 }
 
+// bfloat16 <-> float written out as bit operations (the same results as c10's
+// conversions: round to nearest even, NaN to the quiet NaN 0x7FC0) so loops over them
+// vectorize: c10's float-to-bf16 branches on isnan and its conversions are opaque
+// calls to the vectorizer, which left every bf16 loop in these kernels scalar
+// (SiLU-mul at 512 x 1536: 2.4 ms in bf16 against 0.22 ms in float32).
 inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T from_float(float v);
+
+template <>
+inline float from_float<float>(float v) {
+  return v;
+}
+
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint16_t out = v != v ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
 
 }  // namespace raydecode

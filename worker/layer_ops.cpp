@@ -31,6 +31,7 @@
 namespace {
 
 using raydecode::fast_exp;
+using raydecode::from_float;
 using raydecode::to_float;
 
 // With `residual` set: residual += x first (rounded to T, as transformers' `residual +
@@ -44,7 +45,7 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
       if (residual != nullptr) {
         T* res = residual + r * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) res[i] = static_cast<T>(to_float(res[i]) + to_float(xr[i]));
+        for (int64_t i = 0; i < dim; ++i) res[i] = from_float<T>(to_float(res[i]) + to_float(xr[i]));
         xr = res;
       }
       float sum = 0.f;
@@ -56,8 +57,8 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < dim; ++i) {
-        const T normed = static_cast<T>(to_float(xr[i]) * inv);
-        o[i] = static_cast<T>(to_float(weight[i]) * to_float(normed));
+        const T normed = from_float<T>(to_float(xr[i]) * inv);
+        o[i] = from_float<T>(to_float(weight[i]) * to_float(normed));
       }
     }
   });
@@ -78,8 +79,8 @@ void silu_mul_impl(T* out, const T* gate, const T* up, int64_t rows, int64_t col
 #pragma omp simd
       for (int64_t i = 0; i < cols; ++i) {
         const float g = to_float(g_row[i]);
-        const T act = static_cast<T>(g / (1.f + fast_exp(-g)));
-        o_row[i] = static_cast<T>(to_float(act) * to_float(u_row[i]));
+        const T act = from_float<T>(g / (1.f + fast_exp(-g)));
+        o_row[i] = from_float<T>(to_float(act) * to_float(u_row[i]));
       }
     }
   });
@@ -94,8 +95,8 @@ inline void rotate_half(T* dst, const T* src, const T* cos, const T* sin, int64_
   for (int64_t i = 0; i < half; ++i) {
     const float a = to_float(src[i]);
     const float b = to_float(src[i + half]);
-    dst[i] = static_cast<T>(a * to_float(cos[i]) - b * to_float(sin[i]));
-    dst[i + half] = static_cast<T>(b * to_float(cos[i + half]) + a * to_float(sin[i + half]));
+    dst[i] = from_float<T>(a * to_float(cos[i]) - b * to_float(sin[i]));
+    dst[i + half] = from_float<T>(b * to_float(cos[i + half]) + a * to_float(sin[i + half]));
   }
 }
 
