@@ -41,6 +41,11 @@ def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, 
     return cache, plan, q
 
 
+def run_kernel(q, cache, plan, scale, softcap, window):
+    return CpuPagedKernel(load()).run(q, cache.keys[0], cache.values[0], plan.batched_block_table,
+                                      plan.batched_kv_lens, plan.batched_query_lens, scale, softcap, window)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**16), rows=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]),
@@ -52,7 +57,7 @@ def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, bloc
     cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32, depth)
     scale = dim ** -0.5
     want = _batched_by_gathering(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
-    got = CpuPagedKernel(load()).run(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
+    got = run_kernel(q, cache, plan, scale, softcap, window)
     valid = plan.batched_valid
     assert torch.allclose(got[valid], want[valid].float(), atol=2e-5, rtol=1e-4), (got[valid] - want[valid]).abs().max()
 
@@ -60,9 +65,56 @@ def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, bloc
 def test_bfloat16_pools():
     cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16, depth=600)
     want = _batched_by_gathering(q.float(), cache.keys[0].float(), cache.values[0].float(), plan, 0.125, None, None)
-    got = CpuPagedKernel(load()).run(q, cache.keys[0], cache.values[0], plan, 0.125, None, None)
+    got = run_kernel(q, cache, plan, 0.125, None, None)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got[plan.batched_valid].float(), want[plan.batched_valid], atol=2e-2, rtol=2e-2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16), chunks=st.lists(st.tuples(st.integers(17, 300), st.integers(0, 400)), min_size=1, max_size=3),
+    decodes=st.integers(0, 3), group=st.sampled_from([1, 3]), block=st.sampled_from([4, 16]),
+    window=st.sampled_from([None, 7, 200]), softcap=st.sampled_from([None, 5.0]), queries=st.sampled_from([1, 16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(seed, chunks, decodes, group, block, window, softcap,
+                                                            queries, dtype):
+    """A step with prefill chunks (fresh, and after cached tokens; longer and shorter
+    than a kernel row) beside decodes: ``attend_cached`` with the chunks cut into
+    kernel rows against the torch path (gather + SDPA per chunk), windows and softcap
+    included."""
+    rng = np.random.default_rng(seed)
+    kv_heads, dim = 2, 32
+    n_tok = np.array([n for n, _ in chunks] + [1] * decodes)
+    computed = np.array([c for _, c in chunks] + list(rng.integers(1, 300, decodes)))
+    rows = len(n_tok)
+    need = -(-(computed + n_tok) // block)
+    num_blocks = int(need.sum()) + 2
+    cache = PagedKVCache(1, num_blocks, block, kv_heads, dim, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
+    order = rng.permutation(num_blocks)
+    table = np.zeros((rows, int(need.max()) + 1), dtype=np.int32)
+    at = 0
+    for r, n in enumerate(need):
+        table[r, :n] = order[at : at + n]
+        at += n
+    q = torch.randn(int(n_tok.sum()), kv_heads * group, dim, generator=g).to(dtype)
+    saved, saved_queries = kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES
+    try:
+        kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES = CpuPagedKernel(load()), queries
+        plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
+        assert plan.prefill_rows is not None
+        got = kv_cache.attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
+        kv_cache.cpu_kernel = None
+        plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
+        assert plan.prefill_rows is None
+        want = kv_cache.attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
+    finally:
+        kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES = saved, saved_queries
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def test_greedy_output_with_the_kernel_equals_the_torch_path(tiny_model_path):

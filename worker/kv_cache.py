@@ -18,8 +18,11 @@ row, its block table and lengths) and
    place) when it is built and applies, else by gathering the rows' blocks and one
    batched ``scaled_dot_product_attention`` (the device-agnostic reference path: the
    same code runs on CUDA);
-3. attends for long prefill chunks row by row (gather the row's blocks, then SDPA;
-   their cost is in the matmuls anyway).
+3. attends for long prefill chunks: with the CPU kernel, every chunk cut into runs of
+   ``KERNEL_PREFILL_QUERIES`` queries, all in one kernel call (``KernelRows``: each run
+   reads its row's keys up to its own last query, so a causal chunk's masked half is
+   mostly never computed, and the runs spread over the threads); elsewhere row by row
+   (gather the row's blocks, then SDPA).
 
 Sliding windows (Mistral, Qwen2, Gemma's local layers) and logit soft-capping (Gemma 2)
 come as the attention call's ``sliding_window`` / ``softcap`` arguments and are applied
@@ -41,6 +44,9 @@ from transformers import AttentionInterface
 ATTENTION_NAME = "raydecode_paged"
 #: Queries up to this many tokens per row join the batched attention call.
 BATCHED_QUERY_MAX = 16
+#: With the CPU kernel, prefill chunks are cut into kernel rows of this many queries
+#: (``AttentionPlan.prefill_rows``); 0 keeps them on the gather + SDPA path.
+KERNEL_PREFILL_QUERIES = 32
 
 #: Config attributes of attention behaviours the paged path does not implement.
 UNSUPPORTED_CONFIG = {
@@ -122,6 +128,41 @@ class PrefillChunk:
 
 
 @dataclass
+class KernelRows:
+    """Prefill chunks as rows of the CPU kernel: each chunk cut into runs of at most
+    ``query_len`` queries, a run attending its row's keys up to its own last query (so
+    the causal future of a chunk is never read), all runs in one call, each a task."""
+
+    index: torch.Tensor  # [R * Q] packed index of each run's queries (pads point at 0)
+    valid: torch.Tensor  # [V] positions in index of the real queries
+    targets: torch.Tensor  # [V] their packed indices (index[valid])
+    block_table: torch.Tensor  # [R, max blocks] int32: the chunk's row's table
+    kv_lens: torch.Tensor  # [R] int32 keys each run attends to (its own last query's)
+    query_lens: torch.Tensor  # [R] int32
+    query_len: int  # Q
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, int, int]], block_table: np.ndarray, block_size: int, queries: int,
+              device: torch.device) -> "KernelRows":
+        """``chunks``: (row, first packed index, tokens, kv_len after the chunk)."""
+        runs = [(r, s + a, min(queries, n - a), kv_len - n + min(n, a + queries))
+                for r, s, n, kv_len in chunks for a in range(0, n, queries)]
+        rows = np.array([r[0] for r in runs], dtype=np.int64)
+        first = np.array([r[1] for r in runs], dtype=np.int64)
+        q_lens = np.array([r[2] for r in runs], dtype=np.int64)
+        kv_lens = np.array([r[3] for r in runs], dtype=np.int64)
+        qi = np.arange(queries)
+        real = qi[None, :] < q_lens[:, None]
+        index = np.where(real, first[:, None] + qi[None, :], 0).reshape(-1)
+        valid = np.flatnonzero(real.reshape(-1))
+        table = block_table[rows, : -(-int(kv_lens.max()) // block_size)]
+        as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+        return cls(index=as_long(index), valid=as_long(valid), targets=as_long(index[valid]),
+                   block_table=as_int(table), kv_lens=as_int(kv_lens), query_lens=as_int(q_lens), query_len=queries)
+
+
+@dataclass
 class AttentionPlan:
     """How one step's packed tokens map onto rows, blocks and slots (shared by all
     layers of one forward)."""
@@ -147,6 +188,8 @@ class AttentionPlan:
     host_batched_query_lens: np.ndarray
     batched_query_len: int  # Q: the longest query
     prefill: list[PrefillChunk]
+    # The same chunks as CPU-kernel rows, where the kernel is on (else None).
+    prefill_rows: KernelRows | None = None
 
     @classmethod
     def build(
@@ -185,6 +228,10 @@ class AttentionPlan:
             kv_len = int(c + n)
             ids = torch.from_numpy(np.ascontiguousarray(block_table[r, : -(-kv_len // bs)], dtype=np.int64)).to(device)
             prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, ids))
+        prefill_rows = None
+        if prefill and cpu_kernel is not None and device.type == "cpu" and KERNEL_PREFILL_QUERIES > 0:
+            prefill_rows = KernelRows.build([(c.row, c.start, c.num_tokens, c.kv_len) for c in prefill], block_table,
+                                            bs, KERNEL_PREFILL_QUERIES, device)
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
         as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
         return cls(
@@ -204,6 +251,7 @@ class AttentionPlan:
             host_batched_query_lens=b_n,
             batched_query_len=q,
             prefill=prefill,
+            prefill_rows=prefill_rows,
         )
 
 
@@ -298,20 +346,28 @@ def attend_cached(
     group = heads // kv_heads
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     kernel = cpu_kernel
-    if plan.num_batched == total and plan.batched_query_len == 1 and kernel is not None and kernel.applies(q_all, k_pool):
+    on_kernel = kernel is not None and kernel.applies(q_all, k_pool)
+    batched = (plan.batched_block_table, plan.batched_kv_lens, plan.batched_query_lens)
+    if plan.num_batched == total and plan.batched_query_len == 1 and on_kernel:
         # Every row a single decode: the packed queries are already the kernel's layout.
-        return kernel.run(q_all, k_pool, v_pool, plan, scale, softcap, window)
+        return kernel.run(q_all, k_pool, v_pool, *batched, scale, softcap, window)
     out = q_all.new_empty(total, heads, dim)
 
     if plan.num_batched:
         b, q_len = plan.num_batched, plan.batched_query_len
         q = q_all[plan.batched_index].view(b * q_len, heads, dim)
-        if kernel is not None and kernel.applies(q, k_pool):
-            o = kernel.run(q, k_pool, v_pool, plan, scale, softcap, window)
+        if on_kernel:
+            o = kernel.run(q, k_pool, v_pool, *batched, scale, softcap, window)
         else:
             o = _batched_by_gathering(q, k_pool, v_pool, plan, scale, softcap, window)
         out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
 
+    runs = plan.prefill_rows
+    if runs is not None and on_kernel:
+        o = kernel.run(q_all.index_select(0, runs.index), k_pool, v_pool, runs.block_table, runs.kv_lens,
+                       runs.query_lens, scale, softcap, window)
+        out.index_copy_(0, runs.targets, o.index_select(0, runs.valid).to(out.dtype))
+        return out
     for chunk in plan.prefill:
         s, n = chunk.start, chunk.num_tokens
         q = q_all[s : s + n].transpose(0, 1).reshape(kv_heads, group * n, dim).unsqueeze(0)

@@ -113,14 +113,16 @@ class CpuPagedKernel:
     def applies(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k_pool.dtype == q.dtype
 
-    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: Any, scale: float,
-            softcap: float | None, window: int | None) -> torch.Tensor:
-        """``q [B * Q, heads, D]`` -> ``[B * Q, heads, D]`` (rows past a row's queries
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+            kv_lens: torch.Tensor, query_lens: torch.Tensor, scale: float, softcap: float | None,
+            window: int | None) -> torch.Tensor:
+        """``q [B * Q, heads, D]`` (row b's queries are the last ``query_lens[b]`` of its
+        ``kv_lens[b]`` positions) -> ``[B * Q, heads, D]`` (rows past a row's queries
         are zeros)."""
         out = torch.zeros(q.shape, dtype=torch.float32)
         self.module.paged_attention(
-            out, q.contiguous(), k_pool, v_pool, plan.batched_block_table, plan.batched_kv_lens,
-            plan.batched_query_lens, float(scale), float(softcap or 0.0), int(window or 0),
+            out, q.contiguous(), k_pool, v_pool, block_table, kv_lens, query_lens,
+            float(scale), float(softcap or 0.0), int(window or 0),
         )
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
