@@ -127,10 +127,18 @@ class PrefillChunk:
     block_ids: torch.Tensor  # [blocks] the row's blocks covering kv_len
 
 
+def _long(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def _int(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+
+
 @dataclass
 class KernelRows:
     """Prefill chunks as rows of the CPU kernel: each chunk cut into runs of at most
-    ``query_len`` queries, a run attending its row's keys up to its own last query (so
+    ``KERNEL_PREFILL_QUERIES`` queries, a run attending its row's keys up to its own last query (so
     the causal future of a chunk is never read), all runs in one call, each a task."""
 
     index: torch.Tensor  # [R * Q] packed index of each run's queries (pads point at 0)
@@ -139,7 +147,6 @@ class KernelRows:
     block_table: torch.Tensor  # [R, max blocks] int32: the chunk's row's table
     kv_lens: torch.Tensor  # [R] int32 keys each run attends to (its own last query's)
     query_lens: torch.Tensor  # [R] int32
-    query_len: int  # Q
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, int, int]], block_table: np.ndarray, block_size: int, queries: int,
@@ -156,10 +163,8 @@ class KernelRows:
         index = np.where(real, first[:, None] + qi[None, :], 0).reshape(-1)
         valid = np.flatnonzero(real.reshape(-1))
         table = block_table[rows, : -(-int(kv_lens.max()) // block_size)]
-        as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-        return cls(index=as_long(index), valid=as_long(valid), targets=as_long(index[valid]),
-                   block_table=as_int(table), kv_lens=as_int(kv_lens), query_lens=as_int(q_lens), query_len=queries)
+        return cls(index=_long(index, device), valid=_long(valid, device), targets=_long(index[valid], device),
+                   block_table=_int(table, device), kv_lens=_int(kv_lens, device), query_lens=_int(q_lens, device))
 
 
 @dataclass
@@ -226,14 +231,14 @@ class AttentionPlan:
         prefill = []
         for r, s, n, c in zip(rows[~short], starts[~short], num_tokens[~short], num_computed[~short]):
             kv_len = int(c + n)
-            ids = torch.from_numpy(np.ascontiguousarray(block_table[r, : -(-kv_len // bs)], dtype=np.int64)).to(device)
+            ids = _long(block_table[r, : -(-kv_len // bs)], device)
             prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, ids))
         prefill_rows = None
         if prefill and cpu_kernel is not None and device.type == "cpu" and KERNEL_PREFILL_QUERIES > 0:
             prefill_rows = KernelRows.build([(c.row, c.start, c.num_tokens, c.kv_len) for c in prefill], block_table,
                                             bs, KERNEL_PREFILL_QUERIES, device)
-        as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+        as_long = lambda a: _long(a, device)
+        as_int = lambda a: _int(a, device)
         return cls(
             cache=cache,
             starts=starts,
