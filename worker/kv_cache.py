@@ -79,13 +79,14 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        prefault: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.keys = [_lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.keys = [_lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
+        self.values = [_lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -96,12 +97,16 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                prefault: bool = False) -> torch.Tensor:
     """Zeros; on CPU an anonymous mapping, so the OS commits pages only as blocks are
     first used (a pool sized for long requests costs what the requests touch), asked
     for transparent huge pages: a 512-token prefill writes ~400 KB per layer into fresh
     blocks, and with 4 KB pages the faults alone cost ~1.2 ms per layer here (2 MB pages:
-    512x fewer faults)."""
+    512x fewer faults). ``prefault``: every page committed now, by writing the zeros
+    (after the huge-page advice, so the pages are huge ones): on this project's VMs a
+    first touch costs ~1 s per GiB, which the first requests would otherwise pay (an
+    e2e run allocates ~1.2 GB of fresh blocks)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -115,7 +120,10 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         except OSError:  # no THP on this kernel: 4 KB pages
             pass
     raw = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    pool = torch.from_numpy(raw)
+    if prefault:
+        pool.zero_()  # torch's fill: over its threads
+    return pool.view(dtype).view(shape)
 
 
 @dataclass

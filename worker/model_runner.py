@@ -93,7 +93,8 @@ class ModelRunner:
         bs = config.kv_block_size
         per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, loaded.dtype)
         num_blocks = self._num_kv_blocks(config, per_block, rows, max_len, loaded)
-        self.kv = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, loaded.dtype, self.device)
+        self.kv = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, loaded.dtype, self.device,
+                               prefault=config.kv_cache_prefault)
         if self.device.type == "cpu" and config.cpu_attention_kernel:
             from worker.paged_attention import enable
 

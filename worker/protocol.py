@@ -90,6 +90,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: KV-cache budget in bytes; None: on CUDA from ``gpu_memory_utilization``, on CPU a
     #: quarter of RAM (the driver normally sends the worker's share of its node)
     kv_cache_memory_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: CPU: commit the KV pool's pages at load instead of on first use
+    kv_cache_prefault: bool = False
     #: CUDA: the share of the GPU's memory this worker may use (model, activations, KV)
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     num_spec_tokens: NonNegative = 0  # n-gram drafts per decode step; 0: off

@@ -53,7 +53,9 @@ so both make exactly the tokens asked for):
 Fairness: both get every core (``os.sched_getaffinity``): ours one worker owning them
 all (its default torch threads), vLLM ``VLLM_CPU_OMP_THREADS_BIND=<those cores>``
 (e.g. ``0-1``); the same KV budget (``VLLM_CPU_KVCACHE_SPACE=4`` GiB, ours
-``kv_cache_memory_bytes`` 4 GiB), ``dtype float32``, ``max_num_seqs`` 64,
+``kv_cache_memory_bytes`` 4 GiB), committed at start on both sides (vLLM allocates its
+pool with ``torch.zeros``; ours ``kv_cache_prefault``, so neither pays first-touch page
+faults inside a timing and both start times include them), ``dtype float32``, ``max_num_seqs`` 64,
 ``max_num_batched_tokens`` 512 (chunked prefill), ``max_model_len`` 2048, prefix caching
 on; warm-up outside every timing; token-id prompts (``{"prompt_token_ids": ...}``) so
 no tokenizer difference enters. vLLM also gets what its CPU install guide preloads for
@@ -329,7 +331,7 @@ def peer_request(r: Req, seeded: bool) -> dict[str, Any]:
 def ours_engine_kwargs() -> dict[str, Any]:
     return {"num_workers": 1, "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
-            "kv_cache_memory_bytes": KV_GIB * 2**30, "dtype": DTYPE}
+            "kv_cache_memory_bytes": KV_GIB * 2**30, "kv_cache_prefault": True, "dtype": DTYPE}
 
 
 def offline_ours(model_dir: str, warm: list[Req], workloads: dict[str, list[Req]]) -> tuple[float, dict[str, Figures]]:
@@ -413,7 +415,7 @@ def ours_server_cmd(model_dir: str, port: int) -> list[str]:
             "--served-model-name", DEFAULT_MODEL_NAME, "--num-workers", "1",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--dtype", DTYPE]
+            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--kv-cache-prefault", "--dtype", DTYPE]
 
 
 def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
