@@ -8,8 +8,8 @@
 // torch.set_num_threads sizes it). Within a task the keys are read a tile of blocks at a
 // time (every KV head of a block together: one contiguous run): scores for the whole
 // tile, one online-softmax update per tile (running max, sum and weighted values per
-// query), then the tile's values; the next block is prefetched a share at a time between
-// the current block's dot products, and each key and value
+// query), then the tile's values; blocks a few ahead in reading order are prefetched a
+// share at a time between the current block's dot products, and each key and value
 // is touched exactly once from memory. The hot loops use AVX2/FMA where the
 // build has them (the loader builds for the CPU it runs on), plain loops elsewhere.
 //
@@ -180,6 +180,7 @@ inline float exp_and_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// One call's shapes and settings, and its rows' lengths.
 struct Shapes {
   int64_t Q, HQ, HKV, G, D, BS, MAXNB, window;
   float scale, softcap;
@@ -238,13 +239,6 @@ struct SpreadPrefetch {
   }
 };
 
-// One row: its nq queries (every query head) against its keys, a tile of blocks at a
-// time. Per tile: (1) scores of every query against every key of the tile, block by
-// block, every KV head of a block together (one block is a contiguous [kv_heads, block,
-// dim] run); (2) per query, what it may not see set aside, one online-softmax update
-// (running max and sum; the outputs so far rescaled); (3) the values, block by block,
-// weighted into the outputs. Each key and value is read from memory once; the next
-// block is prefetched while one is computed (SpreadPrefetch).
 // The first position a query at `first` sees (the sliding window's start, else 0).
 inline int64_t first_key(int64_t first, const Shapes& z) {
   return z.window > 0 ? std::max<int64_t>(0, first - z.window + 1) : 0;
@@ -264,6 +258,13 @@ void reading_order(std::vector<const void*>& order, const T* k_pool, const T* v_
   }
 }
 
+// One row: its nq queries (every query head) against its keys, a tile of blocks at a
+// time. Per tile: (1) scores of every query against every key of the tile, block by
+// block, every KV head of a block together (one block is a contiguous [kv_heads, block,
+// dim] run); (2) per query, what it may not see set aside, one online-softmax update
+// (running max and sum; the outputs so far rescaled); (3) the values, block by block,
+// weighted into the outputs. Each key and value is read from memory once; the blocks
+// ahead are prefetched while one is computed (SpreadPrefetch).
 // next_b: the row this thread attends next (-1: none), whose first blocks are prefetched
 // at the end of this one.
 template <typename T>
@@ -374,8 +375,9 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
 }
 
 template <typename T>
-void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
-            const int32_t* kv_lens, const int32_t* q_lens, int64_t B, const Shapes& z) {
+void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table, int64_t B,
+            const Shapes& z) {
+  const int32_t *kv_lens = z.kv_lens, *q_lens = z.q_lens;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     Scratch w(z);
     for (int64_t b = begin; b < end; ++b) {
@@ -410,10 +412,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
   const Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap, kl, ql};
   if (q.scalar_type() == at::kFloat) {
     attend<float>(out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                  bt, kl, ql, B, z);
+                  bt, B, z);
   } else if (q.scalar_type() == at::kBFloat16) {
     attend<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
-                          v_pool.data_ptr<c10::BFloat16>(), bt, kl, ql, B, z);
+                          v_pool.data_ptr<c10::BFloat16>(), bt, B, z);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
   }
