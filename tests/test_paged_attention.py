@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler: the ker
 
 
 def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, dtype: torch.dtype,
-         depth: int = 70):
+         depth: int = 70, max_query: int = 6):
     rng = np.random.default_rng(seed)
-    q_lens = rng.integers(1, 7, rows)
+    q_lens = rng.integers(1, max_query + 1, rows)
     kv_lens = q_lens + rng.integers(0, depth, rows)
     num_blocks = int(sum(-(-k // block) for k in kv_lens)) + 3
     cache = PagedKVCache(1, num_blocks, block, kv_heads, dim, dtype, torch.device("cpu"))
@@ -49,12 +49,15 @@ def run_kernel(q, cache, plan, scale, softcap, window):
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**16), rows=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]),
-    group=st.sampled_from([1, 3, 4]), dim=st.sampled_from([16, 64]), block=st.sampled_from([4, 16]),
+    group=st.sampled_from([1, 3, 4]), dim=st.sampled_from([16, 22, 64]), block=st.sampled_from([4, 16]),
     window=st.sampled_from([None, 1, 5, 24, 300]), softcap=st.sampled_from([None, 5.0]),
-    depth=st.sampled_from([70, 700]),
+    depth=st.sampled_from([70, 700]), max_query=st.sampled_from([6, 16]),
 )
-def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, block, window, softcap, depth):
-    cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32, depth)
+def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, block, window, softcap, depth, max_query):
+    """Single decodes and short query runs (the per-query path) and rows of 16 or more
+    query lanes per KV head (the lanes path: lane counts not a multiple of 8, head dims
+    not a multiple of 4, windows that hide whole tiles from some lanes)."""
+    cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32, depth, max_query)
     scale = dim ** -0.5
     want = _batched_by_gathering(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
     got = run_kernel(q, cache, plan, scale, softcap, window)
@@ -62,8 +65,9 @@ def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, bloc
     assert torch.allclose(got[valid], want[valid].float(), atol=2e-5, rtol=1e-4), (got[valid] - want[valid]).abs().max()
 
 
-def test_bfloat16_pools():
-    cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16, depth=600)
+@pytest.mark.parametrize("max_query", [6, 16])
+def test_bfloat16_pools(max_query):
+    cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16, depth=600, max_query=max_query)
     want = _batched_by_gathering(q.float(), cache.keys[0].float(), cache.values[0].float(), plan, 0.125, None, None)
     got = run_kernel(q, cache, plan, 0.125, None, None)
     assert got.dtype == torch.bfloat16

@@ -1,17 +1,24 @@
-// Paged attention for short queries (decodes, speculative verification) on CPU.
+// Paged attention on CPU: decodes, speculative verification and prefill chunks (cut
+// into runs of queries by the caller, worker/kv_cache.py).
 //
 // For row b and KV head h, the row's queries (q_lens[b] of them, the last ones of its
 // kv_lens[b] positions, each with G = heads / kv_heads query heads) attend to the row's
 // keys and values where they live: in the pool blocks its block table names
 // (pool layout [num_blocks, kv_heads, block_size, head_dim]); nothing is gathered.
-// One task per row, run on ATen's thread pool (the same threads as torch's ops, so
-// torch.set_num_threads sizes it). Within a task the keys are read a tile of blocks at a
-// time (every KV head of a block together: one contiguous run): scores for the whole
-// tile, one online-softmax update per tile (running max, sum and weighted values per
-// query), then the tile's values; blocks a few ahead in reading order are prefetched a
-// share at a time between the current block's dot products, and each key and value
-// is touched exactly once from memory. The hot loops use AVX2/FMA where the
-// build has them (the loader builds for the CPU it runs on), plain loops elsewhere.
+// Rows are dealt to ATen's threads (the same threads as torch's ops, so
+// torch.set_num_threads sizes it), largest first to the least loaded (deal_rows).
+// Two ways through a row:
+// - few queries (decodes): attend_row. Memory bound: the keys are read a tile of blocks
+//   at a time (every KV head of a block together: one contiguous run), scores for the
+//   whole tile, one online-softmax update per tile (running max, sum and weighted values
+//   per query), then the tile's values; blocks a few ahead in reading order are
+//   prefetched a share at a time between the current block's dot products, and each key
+//   and value is touched exactly once from memory.
+// - many queries per KV head (prefill runs): attend_row_tiled. Compute bound: the
+//   queries lie across the vector lanes and scores and values are two small matrix
+//   products per tile (see there).
+// The hot loops use AVX2/FMA where the build has them (the loader builds for the CPU it
+// runs on), plain loops elsewhere (and attend_row for every row).
 //
 // Masking: query j of row b sits at position p = kv_lens[b] - q_lens[b] + j and sees
 // keys at positions <= p, and with a sliding window W only keys > p - W (transformers'
@@ -32,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -374,17 +382,277 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- Longer queries (prefill runs, long speculative rows): queries along the lanes ----
+//
+// A row with many queries per KV head is a small matrix product twice over, and is
+// computed as one: for KV head h the row's nq * G queries (i = j * G + g: position j,
+// query head h * G + g) are laid out across the vector lanes (qt [D, NP], NP the query
+// count rounded up to 8), so scores s [t, i] = sum_d K[t, d] * qt[d, i] and outputs
+// ot[d, i] += sum_t V[t, d] * p[t, i] each take one broadcast of a pool element per
+// several FMAs, straight from the pool's [block, dim] layout (no transpose of keys or
+// values). The online softmax runs per tile of kTiledPositions positions, a lane per
+// query: column max, corrections, exp and sums all vectorized. Same masking and
+// soft-capping rules as attend_row; the results agree with it to float rounding.
+
+// Positions per tile (whole blocks, about 64): s [TP, NP] stays in L1/L2.
+inline int64_t tiled_positions(int64_t block_size) { return std::max<int64_t>(1, 64 / block_size) * block_size; }
+
+// Rows with at least this many query lanes per KV head take the tiled path.
+constexpr int64_t kTiledMinLanes = 16;
+
+struct TiledScratch {
+  std::vector<float> qt, ot, s, m, l, corr, kbuf, vbuf;
+  std::vector<int32_t> pos;
+  explicit TiledScratch(const Shapes& z, int64_t np)
+      : qt(z.D * np), ot(z.D * np), s(tiled_positions(z.BS) * np), m(np), l(np), corr(np),
+        kbuf(tiled_positions(z.BS) * z.D), vbuf(tiled_positions(z.BS) * z.D), pos(np) {}
+};
+
+// s[r, 8c..] (rows NP apart) = sum_d k[r, d] * qt[d, 8c..] for RT keys (rows D apart)
+// and CI vectors of query lanes.
+template <int RT, int CI>
+inline void scores_micro(const float* k, int64_t D, const float* qt, int64_t NP, float* s) {
+  __m256 acc[RT][CI];
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 qv[CI];
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) qv[c] = _mm256_loadu_ps(qt + d * NP + 8 * c);
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; ++r) {
+      const __m256 kv = _mm256_broadcast_ss(k + r * D + d);
+#pragma GCC unroll 4
+      for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_fmadd_ps(kv, qv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) _mm256_storeu_ps(s + r * NP + 8 * c, acc[r][c]);
+}
+
+// ot[r, 8c..] (rows NP apart) += sum_t v[t, r] * p[t, 8c..] for RD dims and CI vectors
+// of query lanes over n positions (v rows D apart, p rows NP apart).
+template <int RD, int CI>
+inline void values_micro(const float* v, int64_t D, const float* p, int64_t NP, int64_t n, float* ot) {
+  __m256 acc[RD][CI];
+#pragma GCC unroll 4
+  for (int r = 0; r < RD; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_loadu_ps(ot + r * NP + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 pv[CI];
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) pv[c] = _mm256_loadu_ps(p + t * NP + 8 * c);
+#pragma GCC unroll 4
+    for (int r = 0; r < RD; ++r) {
+      const __m256 vb = _mm256_broadcast_ss(v + t * D + r);
+#pragma GCC unroll 4
+      for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_fmadd_ps(vb, pv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RD; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) _mm256_storeu_ps(ot + r * NP + 8 * c, acc[r][c]);
+}
+
+constexpr int kLaneVectors = 3;  // CI of the micro-kernels: 24 query lanes at a time
+constexpr int kRowsPerMicro = 4;  // RT / RD: keys (scores) or dims (values) at a time
+
+// The block of n keys (k, rows D apart) against every query lane: s rows NP apart.
+inline void block_scores_lanes(const float* k, int64_t n, int64_t D, const float* qt, int64_t NP, float* s) {
+  for (int64_t c0 = 0; c0 < NP / 8; c0 += kLaneVectors) {
+    const int64_t ci = std::min<int64_t>(kLaneVectors, NP / 8 - c0);
+    const float* qc = qt + 8 * c0;
+    float* sc = s + 8 * c0;
+    int64_t t = 0;
+    for (; t + kRowsPerMicro <= n; t += kRowsPerMicro) {
+      if (ci == 3) scores_micro<4, 3>(k + t * D, D, qc, NP, sc + t * NP);
+      else if (ci == 2) scores_micro<4, 2>(k + t * D, D, qc, NP, sc + t * NP);
+      else scores_micro<4, 1>(k + t * D, D, qc, NP, sc + t * NP);
+    }
+    for (; t < n; ++t) {
+      if (ci == 3) scores_micro<1, 3>(k + t * D, D, qc, NP, sc + t * NP);
+      else if (ci == 2) scores_micro<1, 2>(k + t * D, D, qc, NP, sc + t * NP);
+      else scores_micro<1, 1>(k + t * D, D, qc, NP, sc + t * NP);
+    }
+  }
+}
+
+// ot += the block's n values (v, rows D apart) weighted by p (rows NP apart).
+inline void block_values_lanes(const float* v, int64_t n, int64_t D, const float* p, int64_t NP, float* ot) {
+  for (int64_t c0 = 0; c0 < NP / 8; c0 += kLaneVectors) {
+    const int64_t ci = std::min<int64_t>(kLaneVectors, NP / 8 - c0);
+    const float* pc = p + 8 * c0;
+    float* oc = ot + 8 * c0;
+    int64_t d = 0;
+    for (; d + kRowsPerMicro <= D; d += kRowsPerMicro) {
+      if (ci == 3) values_micro<4, 3>(v + d, D, pc, NP, n, oc + d * NP);
+      else if (ci == 2) values_micro<4, 2>(v + d, D, pc, NP, n, oc + d * NP);
+      else values_micro<4, 1>(v + d, D, pc, NP, n, oc + d * NP);
+    }
+    for (; d < D; ++d) {
+      if (ci == 3) values_micro<1, 3>(v + d, D, pc, NP, n, oc + d * NP);
+      else if (ci == 2) values_micro<1, 2>(v + d, D, pc, NP, n, oc + d * NP);
+      else values_micro<1, 1>(v + d, D, pc, NP, n, oc + d * NP);
+    }
+  }
+}
+
+// Head h's part of a pool block as float rows [BS, D] (bf16 converted into buf).
+template <typename T>
+inline const float* head_block(const T* pool, int64_t block, int64_t h, int64_t n, const Shapes& z, float* buf) {
+  const T* src = pool + (block * z.HKV + h) * z.BS * z.D;
+  if constexpr (std::is_same<T, float>::value) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n * z.D; ++i) buf[i] = to_float(src[i]);
+    return buf;
+  }
+}
+
+// Row b (nq queries, the last of its ctx positions) by the lanes layout above.
+template <typename T>
+void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
+                      int64_t b, int64_t nq, int64_t ctx, const Shapes& z, TiledScratch& w) {
+  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, TP = tiled_positions(BS);
+  const int64_t NQ = nq * G, NP = (NQ + 7) / 8 * 8;
+  const int64_t first = ctx - nq, lo = first_key(first, z);
+  const int32_t* table = block_table + b * z.MAXNB;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *m = w.m.data(), *l = w.l.data(),
+        *corr = w.corr.data();
+  int32_t* pos = w.pos.data();
+  // Each lane's position; padding lanes take the last one (they see every key, so no
+  // lane is ever empty) and are dropped at the end.
+  for (int64_t i = 0; i < NP; ++i) pos[i] = static_cast<int32_t>(i < NQ ? first + i / G : ctx - 1);
+  const __m256 vneg_inf = _mm256_set1_ps(neg_inf);
+  for (int64_t h = 0; h < z.HKV; ++h) {
+    for (int64_t d = 0; d < D; ++d) std::fill(qt + d * NP + NQ, qt + (d + 1) * NP, 0.f);
+    for (int64_t j = 0; j < nq; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = q + ((b * z.Q + j) * HQ + h * G + g) * D;
+        float* dst = qt + j * G + g;
+        for (int64_t d = 0; d < D; ++d) dst[d * NP] = to_float(src[d]) * z.scale;
+      }
+    std::fill(ot, ot + D * NP, 0.f);
+    std::fill(m, m + NP, neg_inf);
+    std::fill(l, l + NP, 0.f);
+    for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TP) {
+      const int64_t t1 = std::min(ctx, t0 + TP), nt = t1 - t0;
+      const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = std::min(BS, ctx - blk * BS);
+        const float* kp = head_block(k_pool, table[blk], h, n, z, w.kbuf.data() + (blk - b0) * BS * D);
+        block_scores_lanes(kp, n, D, qt, NP, s + (blk * BS - t0) * NP);
+      }
+      if (z.softcap > 0.f)
+        for (int64_t e = 0; e < nt * NP; ++e) s[e] = z.softcap * std::tanh(s[e] / z.softcap);
+      // What a lane may not see: keys past its position, or before its window.
+      const bool causal_cut = t1 - 1 > first;
+      const bool window_cut = z.window > 0 && t0 <= ctx - 1 - z.window;
+      if (causal_cut || window_cut)
+        for (int64_t t = 0; t < nt; ++t) {
+          const int64_t p = t0 + t;
+          float* st = s + t * NP;
+          for (int64_t i = 0; i < NP; ++i)
+            if (p > pos[i] || (z.window > 0 && p <= pos[i] - z.window)) st[i] = neg_inf;
+        }
+      // Online softmax, 8 lanes at a time.
+      for (int64_t i = 0; i < NP; i += 8) {
+        __m256 mx = vneg_inf;
+        for (int64_t t = 0; t < nt; ++t) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t * NP + i));
+        const __m256 m_old = _mm256_loadu_ps(m + i);
+        const __m256 m_new = _mm256_max_ps(m_old, mx);
+        // A lane that has seen nothing yet keeps weight 0 (its exp base 0, no NaN).
+        const __m256 base = _mm256_blendv_ps(m_new, _mm256_setzero_ps(), _mm256_cmp_ps(m_new, vneg_inf, _CMP_EQ_OQ));
+        const __m256 c = _mm256_blendv_ps(exp8(_mm256_sub_ps(m_old, base)), _mm256_setzero_ps(),
+                                          _mm256_cmp_ps(m_old, vneg_inf, _CMP_EQ_OQ));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < nt; ++t) {
+          const __m256 sv = _mm256_loadu_ps(s + t * NP + i);
+          const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, vneg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(sv, base)));
+          _mm256_storeu_ps(s + t * NP + i, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), c, sum));
+        _mm256_storeu_ps(m + i, m_new);
+        _mm256_storeu_ps(corr + i, c);
+      }
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t i = 0; i < NP; i += 8)
+          _mm256_storeu_ps(ot + d * NP + i, _mm256_mul_ps(_mm256_loadu_ps(ot + d * NP + i), _mm256_loadu_ps(corr + i)));
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = std::min(BS, ctx - blk * BS);
+        const float* vp = head_block(v_pool, table[blk], h, n, z, w.vbuf.data() + (blk - b0) * BS * D);
+        block_values_lanes(vp, n, D, s + (blk * BS - t0) * NP, NP, ot);
+      }
+    }
+    for (int64_t j = 0; j < nq; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = j * G + g;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        float* dst = out + ((b * z.Q + j) * HQ + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
+      }
+  }
+}
+#define RAYDECODE_TILED 1
+#endif
+
+// The rows are dealt to the threads before any starts, largest first (queries times
+// keys read) to the thread with the least work so far: a prefill chunk's runs grow along
+// the chunk (each reads the keys up to its own last query), and the even split by index
+// that parallel_for makes gave one thread about three quarters of a fresh chunk's work.
+// Dealt up front rather than taken from a shared counter, each thread knows the row it
+// reads next and prefetches its first blocks (taking rows as they come cost decode 20%:
+// the guessed next row was often the other thread's).
+inline std::vector<std::vector<int64_t>> deal_rows(int64_t B, int64_t threads, const Shapes& z) {
+  std::vector<int64_t> rows, cost(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    if (z.q_lens[b] <= 0) continue;
+    rows.push_back(b);
+    cost[b] = int64_t(z.q_lens[b]) * (z.kv_lens[b] - first_key(z.kv_lens[b] - z.q_lens[b], z));
+  }
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) { return cost[a] > cost[c]; });
+  std::vector<std::vector<int64_t>> dealt(std::max<int64_t>(1, std::min<int64_t>(threads, rows.size())));
+  std::vector<int64_t> load(dealt.size(), 0);
+  for (int64_t b : rows) {
+    const size_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    dealt[t].push_back(b);
+    load[t] += cost[b];
+  }
+  return dealt;
+}
+
 template <typename T>
 void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table, int64_t B,
             const Shapes& z) {
-  const int32_t *kv_lens = z.kv_lens, *q_lens = z.q_lens;
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  const auto dealt = deal_rows(B, at::get_num_threads(), z);
+  at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(z);
-    for (int64_t b = begin; b < end; ++b) {
-      if (q_lens[b] <= 0) continue;
-      int64_t next_b = b + 1;
-      while (next_b < end && q_lens[next_b] <= 0) ++next_b;
-      attend_row<T>(out, q, k_pool, v_pool, block_table, b, q_lens[b], kv_lens[b], next_b < end ? next_b : -1, z, w);
+#ifdef RAYDECODE_TILED
+    std::unique_ptr<TiledScratch> tw;
+#endif
+    for (int64_t tid = begin; tid < end; ++tid) {
+      const std::vector<int64_t>& mine = dealt[tid];
+      for (size_t k = 0; k < mine.size(); ++k) {
+        const int64_t b = mine[k], nq = z.q_lens[b];
+#ifdef RAYDECODE_TILED
+        if (nq * z.G >= kTiledMinLanes) {
+          if (!tw) tw = std::make_unique<TiledScratch>(z, (z.Q * z.G + 7) / 8 * 8);
+          attend_row_tiled<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tw);
+          continue;
+        }
+#endif
+        const int64_t next_b = k + 1 < mine.size() ? mine[k + 1] : -1;
+        attend_row<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], next_b, z, w);
+      }
     }
   });
 }
