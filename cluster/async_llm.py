@@ -60,6 +60,10 @@ class AsyncLLM:
         self._stopped = False
         self._error: BaseException | None = None
         self._heartbeat = time.monotonic()
+        # New requests and aborts join the very next step: the engine takes them in right
+        # before it schedules, also when it dispatches the moment a reply lands (else a
+        # request that arrived during step k waited for step k + 1 to end as well).
+        self.engine.intake = self._apply_commands
         self._thread = threading.Thread(target=self._loop, name="raydecode-engine", daemon=True)
         self._thread.start()
 

@@ -24,6 +24,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,10 @@ class LLMEngine:
         #: monotonic time of the last completed (or failed) step, or of being idle
         self.last_progress = time.monotonic()
         self._no_worker_since: float | None = None
+        #: called right before each scheduling pass (``AsyncLLM`` hands over the requests
+        #: and aborts that arrived while a step ran, so the step dispatched the moment the
+        #: reply lands already includes them)
+        self.intake: Callable[[], None] | None = None
 
     # -- workers ------------------------------------------------------------------------
 
@@ -349,6 +354,8 @@ class LLMEngine:
         live = [w for w in self.workers if w.live]
         if not live:
             return
+        if self.intake is not None and any(w.inflight is None for w in live):
+            self.intake()
         held = sum(w.scheduler.num_running for w in live) + len(self.waiting)
         share = max(1, math.ceil(held / len(live)))
         for slot in live:

@@ -148,3 +148,36 @@ def test_a_consumer_that_falls_behind_gets_the_deltas_joined(engine):
             [{t: lp.logprob for t, lp in p.items()} for p in b[i][2]]
     last = {c.index: c.finish_reason for o in slow_outs for c in o.outputs}
     assert last == {0: "length", 1: "length"}
+
+
+def test_a_request_that_arrives_during_a_step_joins_the_next_one(engine, tiny_model_path):
+    """What arrives while a step runs is handed to the engine (``intake``) right before
+    it schedules, also when it dispatches the next step the moment a reply lands: the
+    request is in that step, not the one after it (a whole step of extra TTFT, and
+    served TTFT is measured against vLLM's, whose engine loop takes its input queue in
+    before every schedule)."""
+    from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
+
+    assert engine.engine.intake == engine._apply_commands  # AsyncLLM's queue feeds the hook
+    core = LLMEngine(EngineConfig(model=tiny_model_path, num_workers=1, max_num_seqs=4, max_model_len=256,
+                                  worker_num_cpus=1))
+    try:
+        core.add_request("a", "the quick brown fox", GREEDY)
+        core.step()  # a's prefill went and came back; its first decode is in flight now
+        slot = core.workers[0]
+        assert slot.inflight is not None
+        arrived = core.make_request("b", "ray schedules actors", GREEDY)
+        handed: list[object] = []
+
+        def intake() -> None:
+            if not handed:
+                handed.append(core.enqueue(arrived))
+
+        core.intake = intake
+        core.step()  # the reply lands and the next step goes at once
+        assert handed, "the engine did not take its input in before scheduling"
+        assert slot.inflight is not None and any(seq.request is arrived for seq in slot.step.rows)
+        assert arrived.metrics.first_scheduled_time is not None
+    finally:
+        core.shutdown()
