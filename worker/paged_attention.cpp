@@ -391,7 +391,7 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
 // count rounded up to 8), so scores s [t, i] = sum_d K[t, d] * qt[d, i] and outputs
 // ot[d, i] += sum_t V[t, d] * p[t, i] each take one broadcast of a pool element per
 // several FMAs, straight from the pool's [block, dim] layout (no transpose of keys or
-// values). The online softmax runs per tile of kTiledPositions positions, a lane per
+// values). The online softmax runs per tile of tiled_positions() positions, a lane per
 // query: column max, corrections, exp and sums all vectorized. Same masking and
 // soft-capping rules as attend_row; the results agree with it to float rounding.
 
@@ -401,106 +401,67 @@ inline int64_t tiled_positions(int64_t block_size) { return std::max<int64_t>(1,
 // Rows with at least this many query lanes per KV head take the tiled path.
 constexpr int64_t kTiledMinLanes = 16;
 
+// Per-thread buffers: queries and outputs across the lanes, one tile's scores, the
+// lanes' running max, sum and corrections and positions, one head's block as float (bf16).
 struct TiledScratch {
-  std::vector<float> qt, ot, s, m, l, corr, kbuf, vbuf;
+  std::vector<float> qt, ot, s, m, l, corr, block_f;
   std::vector<int32_t> pos;
   explicit TiledScratch(const Shapes& z, int64_t np)
-      : qt(z.D * np), ot(z.D * np), s(tiled_positions(z.BS) * np), m(np), l(np), corr(np),
-        kbuf(tiled_positions(z.BS) * z.D), vbuf(tiled_positions(z.BS) * z.D), pos(np) {}
+      : qt(z.D * np), ot(z.D * np), s(tiled_positions(z.BS) * np), m(np), l(np), corr(np), block_f(z.BS * z.D),
+        pos(np) {}
 };
 
-// s[r, 8c..] (rows NP apart) = sum_d k[r, d] * qt[d, 8c..] for RT keys (rows D apart)
-// and CI vectors of query lanes.
-template <int RT, int CI>
-inline void scores_micro(const float* k, int64_t D, const float* qt, int64_t NP, float* s) {
-  __m256 acc[RT][CI];
+// out[r, 8c..] (rows NP apart) = (out[r, 8c..] if Acc, else 0) + sum_{x < n} a[x * a_step +
+// r * a_row] * b[x, 8c..] (b rows NP apart), for R rows and CI vectors of query lanes: R x CI
+// accumulators in registers, one broadcast of an `a` element per CI FMAs. Scores are
+// rows = keys, x = dims (a = the keys, b = qt); the values pass is rows = dims, x =
+// positions (a = the values, b = the weights p).
+template <int R, int CI, bool Acc>
+inline void lanes_micro(const float* a, int64_t a_step, int64_t a_row, const float* b, int64_t NP, int64_t n,
+                        float* out) {
+  __m256 acc[R][CI];
 #pragma GCC unroll 4
-  for (int r = 0; r < RT; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m256 qv[CI];
+    for (int c = 0; c < CI; ++c) acc[r][c] = Acc ? _mm256_loadu_ps(out + r * NP + 8 * c) : _mm256_setzero_ps();
+  for (int64_t x = 0; x < n; ++x) {
+    __m256 bv[CI];
 #pragma GCC unroll 4
-    for (int c = 0; c < CI; ++c) qv[c] = _mm256_loadu_ps(qt + d * NP + 8 * c);
+    for (int c = 0; c < CI; ++c) bv[c] = _mm256_loadu_ps(b + x * NP + 8 * c);
 #pragma GCC unroll 4
-    for (int r = 0; r < RT; ++r) {
-      const __m256 kv = _mm256_broadcast_ss(k + r * D + d);
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + x * a_step + r * a_row);
 #pragma GCC unroll 4
-      for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_fmadd_ps(kv, qv[c], acc[r][c]);
+      for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < RT; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < CI; ++c) _mm256_storeu_ps(s + r * NP + 8 * c, acc[r][c]);
+    for (int c = 0; c < CI; ++c) _mm256_storeu_ps(out + r * NP + 8 * c, acc[r][c]);
 }
 
-// ot[r, 8c..] (rows NP apart) += sum_t v[t, r] * p[t, 8c..] for RD dims and CI vectors
-// of query lanes over n positions (v rows D apart, p rows NP apart).
-template <int RD, int CI>
-inline void values_micro(const float* v, int64_t D, const float* p, int64_t NP, int64_t n, float* ot) {
-  __m256 acc[RD][CI];
-#pragma GCC unroll 4
-  for (int r = 0; r < RD; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_loadu_ps(ot + r * NP + 8 * c);
-  for (int64_t t = 0; t < n; ++t) {
-    __m256 pv[CI];
-#pragma GCC unroll 4
-    for (int c = 0; c < CI; ++c) pv[c] = _mm256_loadu_ps(p + t * NP + 8 * c);
-#pragma GCC unroll 4
-    for (int r = 0; r < RD; ++r) {
-      const __m256 vb = _mm256_broadcast_ss(v + t * D + r);
-#pragma GCC unroll 4
-      for (int c = 0; c < CI; ++c) acc[r][c] = _mm256_fmadd_ps(vb, pv[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < RD; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < CI; ++c) _mm256_storeu_ps(ot + r * NP + 8 * c, acc[r][c]);
+constexpr int kLaneVectors = 3;  // CI of the micro-kernel: 24 query lanes at a time
+constexpr int kRowsPerMicro = 4;  // its R: keys (scores) or dims (values) at a time
+
+template <int R, bool Acc>
+inline void lanes_micro_ci(int64_t ci, const float* a, int64_t a_step, int64_t a_row, const float* b, int64_t NP,
+                           int64_t n, float* out) {
+  if (ci == 3) lanes_micro<R, 3, Acc>(a, a_step, a_row, b, NP, n, out);
+  else if (ci == 2) lanes_micro<R, 2, Acc>(a, a_step, a_row, b, NP, n, out);
+  else lanes_micro<R, 1, Acc>(a, a_step, a_row, b, NP, n, out);
 }
 
-constexpr int kLaneVectors = 3;  // CI of the micro-kernels: 24 query lanes at a time
-constexpr int kRowsPerMicro = 4;  // RT / RD: keys (scores) or dims (values) at a time
-
-// The block of n keys (k, rows D apart) against every query lane: s rows NP apart.
-inline void block_scores_lanes(const float* k, int64_t n, int64_t D, const float* qt, int64_t NP, float* s) {
+// lanes_micro over every row (`rows` of them) and every query lane (NP).
+template <bool Acc>
+inline void lanes_product(const float* a, int64_t a_step, int64_t a_row, int64_t rows, const float* b, int64_t NP,
+                          int64_t n, float* out) {
   for (int64_t c0 = 0; c0 < NP / 8; c0 += kLaneVectors) {
     const int64_t ci = std::min<int64_t>(kLaneVectors, NP / 8 - c0);
-    const float* qc = qt + 8 * c0;
-    float* sc = s + 8 * c0;
-    int64_t t = 0;
-    for (; t + kRowsPerMicro <= n; t += kRowsPerMicro) {
-      if (ci == 3) scores_micro<4, 3>(k + t * D, D, qc, NP, sc + t * NP);
-      else if (ci == 2) scores_micro<4, 2>(k + t * D, D, qc, NP, sc + t * NP);
-      else scores_micro<4, 1>(k + t * D, D, qc, NP, sc + t * NP);
-    }
-    for (; t < n; ++t) {
-      if (ci == 3) scores_micro<1, 3>(k + t * D, D, qc, NP, sc + t * NP);
-      else if (ci == 2) scores_micro<1, 2>(k + t * D, D, qc, NP, sc + t * NP);
-      else scores_micro<1, 1>(k + t * D, D, qc, NP, sc + t * NP);
-    }
-  }
-}
-
-// ot += the block's n values (v, rows D apart) weighted by p (rows NP apart).
-inline void block_values_lanes(const float* v, int64_t n, int64_t D, const float* p, int64_t NP, float* ot) {
-  for (int64_t c0 = 0; c0 < NP / 8; c0 += kLaneVectors) {
-    const int64_t ci = std::min<int64_t>(kLaneVectors, NP / 8 - c0);
-    const float* pc = p + 8 * c0;
-    float* oc = ot + 8 * c0;
-    int64_t d = 0;
-    for (; d + kRowsPerMicro <= D; d += kRowsPerMicro) {
-      if (ci == 3) values_micro<4, 3>(v + d, D, pc, NP, n, oc + d * NP);
-      else if (ci == 2) values_micro<4, 2>(v + d, D, pc, NP, n, oc + d * NP);
-      else values_micro<4, 1>(v + d, D, pc, NP, n, oc + d * NP);
-    }
-    for (; d < D; ++d) {
-      if (ci == 3) values_micro<1, 3>(v + d, D, pc, NP, n, oc + d * NP);
-      else if (ci == 2) values_micro<1, 2>(v + d, D, pc, NP, n, oc + d * NP);
-      else values_micro<1, 1>(v + d, D, pc, NP, n, oc + d * NP);
-    }
+    int64_t r = 0;
+    for (; r + kRowsPerMicro <= rows; r += kRowsPerMicro)
+      lanes_micro_ci<kRowsPerMicro, Acc>(ci, a + r * a_row, a_step, a_row, b + 8 * c0, NP, n, out + r * NP + 8 * c0);
+    for (; r < rows; ++r) lanes_micro_ci<1, Acc>(ci, a + r * a_row, a_step, a_row, b + 8 * c0, NP, n, out + r * NP + 8 * c0);
   }
 }
 
@@ -548,8 +509,8 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
       const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS;
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = std::min(BS, ctx - blk * BS);
-        const float* kp = head_block(k_pool, table[blk], h, n, z, w.kbuf.data() + (blk - b0) * BS * D);
-        block_scores_lanes(kp, n, D, qt, NP, s + (blk * BS - t0) * NP);
+        const float* kp = head_block(k_pool, table[blk], h, n, z, w.block_f.data());
+        lanes_product<false>(kp, 1, D, n, qt, NP, D, s + (blk * BS - t0) * NP);  // s[t, i] = k[t] . qt[:, i]
       }
       if (z.softcap > 0.f)
         for (int64_t e = 0; e < nt * NP; ++e) s[e] = z.softcap * std::tanh(s[e] / z.softcap);
@@ -589,8 +550,8 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
           _mm256_storeu_ps(ot + d * NP + i, _mm256_mul_ps(_mm256_loadu_ps(ot + d * NP + i), _mm256_loadu_ps(corr + i)));
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = std::min(BS, ctx - blk * BS);
-        const float* vp = head_block(v_pool, table[blk], h, n, z, w.vbuf.data() + (blk - b0) * BS * D);
-        block_values_lanes(vp, n, D, s + (blk * BS - t0) * NP, NP, ot);
+        const float* vp = head_block(v_pool, table[blk], h, n, z, w.block_f.data());
+        lanes_product<true>(vp, D, 1, D, s + (blk * BS - t0) * NP, NP, n, ot);  // ot[d, i] += sum_t v[t, d] p[t, i]
       }
     }
     for (int64_t j = 0; j < nq; ++j)
@@ -635,7 +596,8 @@ void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int3
             const Shapes& z) {
   const auto dealt = deal_rows(B, at::get_num_threads(), z);
   at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch w(z);
+    // Each way's buffers only where a row takes it (a prefill call needs no Scratch).
+    std::unique_ptr<Scratch> w;
 #ifdef RAYDECODE_TILED
     std::unique_ptr<TiledScratch> tw;
 #endif
@@ -651,7 +613,8 @@ void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int3
         }
 #endif
         const int64_t next_b = k + 1 < mine.size() ? mine[k + 1] : -1;
-        attend_row<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], next_b, z, w);
+        if (!w) w = std::make_unique<Scratch>(z);
+        attend_row<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], next_b, z, *w);
       }
     }
   });
