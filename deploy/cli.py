@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -156,6 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM's `vllm serve MODEL` (or --model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,
+                     help="the Serve replica answers HTTP on --port itself (Ray Serve's direct ingress): no hop "
+                          "through Serve's proxy for every streamed chunk. Only where serve starts its own Ray "
+                          "(no --address); a joined cluster keeps the proxies it was started with")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
@@ -329,14 +334,22 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         EngineConfig(**engine)  # refuse bad values here, not in a replica
     except (ValueError, TypeError) as exc:
         ap.error(f"engine configuration: {exc}")
+    address = engine.pop("address", None)  # the replica runs inside that cluster already
+    proxy_port = args.port
+    if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        _check_port(ap, args.host, args.port)
+        if args.direct_ingress:
+            # Read by Serve's controller and replica processes, which inherit the
+            # environment of the Ray this process starts: set before it starts (and
+            # before Serve is imported here).
+            os.environ.update(direct_ingress_env(args.port))
+            proxy_port = _free_port(args.host)  # the head proxy Serve keeps as a fallback
     from ray import serve
 
     from cluster.ray_session import RaySession
     from deploy.serve import build_app
 
-    address = engine.pop("address", None)  # the replica runs inside that cluster already
-    if address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     app = build_app({
         "model": engine.pop("model", None), "num_workers": engine.pop("num_workers", 1),
         "served_model_name": args.served_model_name, "api_key": args.api_key, "engine": engine,
@@ -353,7 +366,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     started_serve = _get_global_client(raise_if_no_controller_running=False) is None
     try:  # Ctrl-C at any point (even while starting) shuts Serve down cleanly
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": proxy_port})
         serve.run(app, name="raydecode", route_prefix="/")
         print(f"raydecode: serving the OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         while True:
@@ -374,6 +387,39 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             pass
         session.close()
     return 0
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """The environment that makes Ray Serve's ingress replica serve HTTP on ``port``
+    itself (direct ingress). Serve deals replicas ports from a range; a range of this
+    one port gives it to the one replica. A replacement replica may take it back at
+    once (no quarantine: nothing else competes for it), and a stopping replica does
+    not hold requests open for a load balancer to notice it is going (there is none)."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # a half-open range
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def _check_port(ap: argparse.ArgumentParser, host: str, port: int) -> None:
+    """Exits 2 naming --port when it is out of range or already taken."""
+    if not 1 <= port <= 65535:
+        ap.error(f"--port must be between 1 and 65535, got {port}")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own bind
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            ap.error(f"--port {port} on {host} cannot be used: {exc.strerror or exc}")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -36,6 +36,8 @@ def test_help(command, capsys):
     (["generate", "--input", "/nonexistent.jsonl"], "does not exist"),
     (["generate", "--temperature", "-1", "hi"], "temperature"),
     (["serve", "--port", "http"], "invalid int value"),
+    (["serve", "--port", "70000"], "--port must be between 1 and 65535"),
+    (["serve", "--port", "0"], "--port must be between 1 and 65535"),
     (["serve", "--chat-template", "/nonexistent.jinja"], "does not exist"),
     (["serve", "--scheduling-policy", "lifo"], "scheduling_policy must be"),
     (["serve", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
@@ -51,6 +53,19 @@ def test_bad_flags_and_files_fail_clearly(argv, message, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port_before_starting_anything(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--port", str(port)])
+    assert exit_.value.code == 2
+    assert f"--port {port} on 127.0.0.1 cannot be used" in capsys.readouterr().err
 
 
 def _engine_actions(command: str) -> dict[str, object]:
@@ -182,6 +197,15 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
+def _aborted(port: int) -> float:
+    """Requests the server counts as aborted (``vllm:request_success``, "abort")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "vllm:request_success"
+               for s in f.samples if s.labels.get("finished_reason") == "abort" and s.name.endswith("_total"))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
     """``raydecode serve`` on its own Ray: SIGTERM (or Ctrl-C) stops it, and with it
@@ -191,10 +215,26 @@ def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("raylet" in _cmdline(p) for p in started)
     try:
+        # Direct ingress: the Serve replica itself listens on --port, not Serve's proxy.
+        holders = {c.pid for c in psutil.net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert [_cmdline(psutil.Process(pid)).split()[0] for pid in holders] == ["ray::ServeReplica:raydecode:OpenAIServer"]
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == "tiny"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200
+        # A client that leaves mid-stream ends its request (the replica sees the
+        # disconnect itself now).
+        body = {"prompt": "leave", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+        deadline = time.monotonic() + 20
+        while _aborted(port) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _aborted(port) == 1
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["running_requests"] == 0
     finally:
         _stop(proc, sig)
     assert proc.returncode == 0
