@@ -408,7 +408,11 @@ def _check_port(ap: argparse.ArgumentParser, host: str, port: int) -> None:
     """Exits 2 naming --port when it is out of range or already taken."""
     if not 1 <= port <= 65535:
         ap.error(f"--port must be between 1 and 65535, got {port}")
-    with socket.socket() as s:
+    try:
+        family = _family(host)
+    except OSError as exc:
+        ap.error(f"--host {host}: {exc}")
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own bind
         try:
             s.bind((host, port))
@@ -416,8 +420,13 @@ def _check_port(ap: argparse.ArgumentParser, host: str, port: int) -> None:
             ap.error(f"--port {port} on {host} cannot be used: {exc.strerror or exc}")
 
 
+def _family(host: str) -> int:
+    """The address family ``host`` binds with (IPv6 for "::1", "::")."""
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

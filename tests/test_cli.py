@@ -68,6 +68,28 @@ def test_serve_refuses_a_taken_port_before_starting_anything(capsys):
     assert f"--port {port} on 127.0.0.1 cannot be used" in capsys.readouterr().err
 
 
+def test_serve_port_check_binds_with_the_hosts_address_family():
+    """``--host ::1`` is checked with an IPv6 socket (an IPv4 one refuses the address)."""
+    import socket
+
+    from deploy.cli import _check_port
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    _check_port(_parser(), "::1", port)  # free: no exit
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", port))
+        taken.listen()
+        with pytest.raises(SystemExit):
+            _check_port(_parser(), "::1", port)
+
+
 def _engine_actions(command: str) -> dict[str, object]:
     sub = next(a for a in _parser()._actions if a.dest == "command").choices[command]
     return {a.dest[len(ENGINE_DEST):]: a for a in sub._actions if a.dest.startswith(ENGINE_DEST)}
