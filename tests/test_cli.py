@@ -55,39 +55,28 @@ def test_bad_flags_and_files_fail_clearly(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_serve_refuses_a_taken_port_before_starting_anything(capsys):
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        with pytest.raises(SystemExit) as exit_:
-            main(["serve", "--port", str(port)])
-    assert exit_.value.code == 2
-    assert f"--port {port} on 127.0.0.1 cannot be used" in capsys.readouterr().err
-
-
-def test_serve_port_check_binds_with_the_hosts_address_family():
-    """``--host ::1`` is checked with an IPv6 socket (an IPv4 one refuses the address)."""
+@pytest.mark.parametrize("host, family", [("127.0.0.1", "AF_INET"), ("::1", "AF_INET6")])
+def test_serve_checks_its_port_before_starting_anything(host, family, capsys):
+    """A free ``--port`` passes and a taken one exits 2 naming it, checked with the
+    host's address family (an IPv4 socket refuses "::1")."""
     import socket
 
     from deploy.cli import _check_port
 
-    if not socket.has_ipv6:
-        pytest.skip("no IPv6 here")
     try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
+        with socket.socket(getattr(socket, family)) as probe:
+            probe.bind((host, 0))
             port = probe.getsockname()[1]
     except OSError:
-        pytest.skip("no IPv6 loopback here")
-    _check_port(_parser(), "::1", port)  # free: no exit
-    with socket.socket(socket.AF_INET6) as taken:
-        taken.bind(("::1", port))
+        pytest.skip(f"no {host} here")
+    _check_port(_parser(), host, port)  # free: no exit
+    with socket.socket(getattr(socket, family)) as taken:
+        taken.bind((host, port))
         taken.listen()
-        with pytest.raises(SystemExit):
-            _check_port(_parser(), "::1", port)
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--host", host, "--port", str(port)])
+    assert exit_.value.code == 2
+    assert f"--port {port} on {host} cannot be used" in capsys.readouterr().err
 
 
 def _engine_actions(command: str) -> dict[str, object]:
