@@ -50,6 +50,12 @@ class EngineConfig:
     #: swap rows so decodes precede prefill chunks in every step (vLLM's batch order
     #: for attention backends that want it; results are the same either way)
     decodes_first: bool = False
+    #: plan each worker's next step before the reply of the one it runs is merged, so
+    #: the worker starts it at once instead of waiting a driver round trip (results are
+    #: the same; a sequence that stops on EOS or a stop string may compute one token
+    #: more, which is dropped). None: on unless speculative decoding is (the next
+    #: step's length depends on how many drafts are accepted)
+    async_scheduling: bool | None = None
     #: "fcfs" or "priority" (lower value first, vLLM's convention)
     scheduling_policy: str = "fcfs"
     #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
@@ -151,6 +157,11 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not isinstance(self.num_spec_tokens, int) or self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true, false or None, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.num_spec_tokens:
+            raise ValueError("async_scheduling cannot be combined with num_spec_tokens > 0 "
+                             "(speculative decoding): the next step depends on the accepted drafts")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         for name in ("ngram_min", "ngram_max"):
@@ -164,6 +175,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+
+    @property
+    def async_scheduling_on(self) -> bool:
+        """Whether the engine plans a step ahead (``async_scheduling`` resolved)."""
+        if self.async_scheduling is None:
+            return self.num_spec_tokens == 0
+        return self.async_scheduling
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(

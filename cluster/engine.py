@@ -6,6 +6,18 @@ workers their next steps at once (so the workers compute while the driver builds
 outputs), and returns the ``RequestOutput``s that changed. Not thread-safe: ``AsyncLLM``
 drives it from one thread (``make_request`` alone may run in another).
 
+Async scheduling (``EngineConfig.async_scheduling``, on unless speculative decoding is):
+each worker has up to two steps in flight. The step after the running one is planned
+before the running one's reply is merged (the scheduler counts the tokens in flight, and
+the tokens they will sample, per sequence), so it waits in the actor's queue and the
+worker starts it the moment it finishes, instead of idling through the reply's trip,
+the merge, the next schedule and the next message's trip (~3-4 ms per step here). The
+worker holds every sampled token itself, so a planned step needs none of their values.
+A sequence whose last token (``max_tokens``) is being sampled is not planned further; one
+that stops on EOS or a stop string runs one token more, which is dropped. A sequence
+preempted while its step is in flight keeps that step's token and waits for the reply
+before it is placed again.
+
 Faults, one mechanism for all of them: whatever keeps a step from coming back (the worker
 died, its node or its reply object was lost, the step hung past ``step_timeout_s``, the
 worker raised, the step could not be sent or its reply not merged) is a *failed step*.
@@ -40,7 +52,7 @@ from cluster.ray_session import RaySession
 from cluster.request import Request
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
-from cluster.worker_pool import WorkerPool, WorkerSlot
+from cluster.worker_pool import SentStep, WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
 from worker.model_loader import load_tokenizer
 from worker.protocol import Codec, StepTimings
@@ -129,6 +141,9 @@ class LLMEngine:
         self._order = itertools.count()
         self._pending_outputs: dict[str, Request] = {}
         self.stats = StepStats()
+        #: steps a worker may have in flight: 2 under async scheduling (the next step
+        #: waits in the worker's queue while this one runs and its reply is merged)
+        self.steps_ahead = 2 if config.async_scheduling_on else 1
         #: counters for monitoring (``deploy/metrics.py`` exposes them as vLLM's metrics)
         self.metrics = EngineMetrics(self.max_model_len)
         #: monotonic time of the last completed (or failed) step, or of being idle
@@ -321,7 +336,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             # Wake up in time to notice a step that outlives step_timeout_s.
             now = time.monotonic()
-            first_deadline = min(w.sent_monotonic for w in busy) + self.config.step_timeout_s
+            first_deadline = min(w.pending[0].sent_monotonic for w in busy) + self.config.step_timeout_s
             wait_for = max(0.0, min(timeout, first_deadline - now))
             ready, _ = ray.wait([w.inflight for w in busy], num_returns=1, timeout=wait_for)
             if ready:
@@ -332,7 +347,7 @@ class LLMEngine:
             for slot in busy:
                 if slot.inflight in done:
                     self._receive(slot, ready_at)
-                elif time.monotonic() - slot.sent_monotonic > self.config.step_timeout_s:
+                elif time.monotonic() - slot.pending[0].sent_monotonic > self.config.step_timeout_s:
                     self._step_failed(
                         slot, slot.step, f"worker {slot.index} hung: step {slot.step.message.step_id} "
                         f"took longer than step_timeout_s={self.config.step_timeout_s} s", lost=True,
@@ -354,38 +369,43 @@ class LLMEngine:
         live = [w for w in self.workers if w.live]
         if not live:
             return
-        if self.intake is not None and any(w.inflight is None for w in live):
+        if self.intake is not None and any(len(w.pending) < self.steps_ahead for w in live):
             self.intake()
         held = sum(w.scheduler.num_running for w in live) + len(self.waiting)
         share = max(1, math.ceil(held / len(live)))
         for slot in live:
-            if slot.inflight is not None:
-                continue
-            t0 = time.perf_counter()
-            step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here)
-            t1 = time.perf_counter()
-            self.stats.schedule += t1 - t0
-            for seq in preempted:
-                seq.request.metrics.num_preemptions += 1
-            if preempted:
-                self.metrics.record_preemptions(len(preempted))
-            if step is None:
-                continue
-            now = time.time()
-            for seq in step.rows:
-                if seq.request.metrics.first_scheduled_time is None:
-                    seq.request.metrics.first_scheduled_time = now
-            try:
-                message = self._codec.encode(step.message)
-                slot.inflight = slot.actor.step.remote(message)
-            except Exception as exc:  # nothing was sent: the worker's batch is as it was
-                logger.exception("step %d for worker %d could not be sent", step.message.step_id, slot.index)
-                self._step_failed(slot, step, f"the step could not be sent: {exc!r}", lost=False)
-                continue
-            slot.step = step
-            slot.sent_at = time.perf_counter()
-            slot.sent_monotonic = time.monotonic()
-            self.stats.encode += slot.sent_at - t1
+            while slot.live and len(slot.pending) < self.steps_ahead:
+                if not self._send_next(slot, share):
+                    break
+
+    def _send_next(self, slot: WorkerSlot, share: int) -> bool:
+        """Schedules and sends ``slot``'s next step; False when there was nothing to
+        send (or it could not be sent)."""
+        t0 = time.perf_counter()
+        step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here)
+        t1 = time.perf_counter()
+        self.stats.schedule += t1 - t0
+        for seq in preempted:
+            seq.request.metrics.num_preemptions += 1
+        if preempted:
+            self.metrics.record_preemptions(len(preempted))
+        if step is None:
+            return False
+        now = time.time()
+        for seq in step.rows:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        try:
+            message = self._codec.encode(step.message)
+            ref = slot.actor.step.remote(message)
+        except Exception as exc:  # nothing was sent: the worker's batch is as it was
+            logger.exception("step %d for worker %d could not be sent", step.message.step_id, slot.index)
+            self._step_failed(slot, step, f"the step could not be sent: {exc!r}", lost=False)
+            return False
+        sent_at = time.perf_counter()
+        slot.pending.append(SentStep(ref, step, sent_at, time.monotonic()))
+        self.stats.encode += sent_at - t1
+        return True
 
     def _routes_here(self, seq: Sequence, scheduler: WorkerScheduler) -> bool:
         """Prefix-aware routing: whether ``scheduler``'s worker should take ``seq`` now.
@@ -415,8 +435,11 @@ class LLMEngine:
         ]
 
     def _receive(self, slot: WorkerSlot, ready_at: float) -> None:
-        ref, step = slot.inflight, slot.step
-        slot.inflight, slot.step = None, None
+        sent = slot.pending.pop(0)
+        ref, step = sent.ref, sent.step
+        if slot.pending:  # the next step starts now: its clocks (timeout, round trip) too
+            nxt = slot.pending[0]
+            nxt.sent_at, nxt.sent_monotonic = max(nxt.sent_at, ready_at), max(nxt.sent_monotonic, time.monotonic())
         t0 = time.perf_counter()
         try:
             data = ray.get(ref, timeout=self.config.ray_call_timeout_s)  # counted as reply decode
@@ -431,7 +454,7 @@ class LLMEngine:
         try:
             reply = self._codec.decode_reply(data)
             t1 = time.perf_counter()
-            self.stats.add_worker_step(ready_at - slot.sent_at, reply.timings)
+            self.stats.add_worker_step(ready_at - sent.sent_at, reply.timings)
             before = self.metrics.before_reply(step.rows)
             changed = apply_reply(step, reply)
             slot.scheduler.register_computed(step.rows)  # before finished ones are freed
@@ -452,8 +475,14 @@ class LLMEngine:
 
     def _step_failed(self, slot: WorkerSlot, step: ScheduledStep | None, reason: str, lost: bool) -> None:
         """A step that will not come back (see the module docstring). ``lost``: the
-        worker died or hung and is replaced; otherwise it is reset and serves on."""
-        slot.inflight, slot.step = None, None
+        worker died or hung and is replaced; otherwise it is reset and serves on. Steps
+        sent after it (async scheduling) are dropped with it, uncharged."""
+        dropped = [sent.step for sent in slot.pending]
+        if step is not None and all(s is not step for s in dropped):
+            dropped.append(step)  # already taken off ``pending`` (or never on it)
+        for s in dropped:
+            s.settle()
+        slot.pending = []
         in_step = {id(s) for s in step.rows} if step is not None else set()
         charged: set[int] = set()
         for seq in slot.scheduler.release_all():

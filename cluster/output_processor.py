@@ -32,6 +32,7 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
     lp_vals = reply.logprobs.numpy().reshape(-1, width).tolist() if width else None
     lp_ranks = reply.logprob_ranks.numpy().tolist() if width else None
 
+    step.settle()
     offset = 0
     for row, seq in enumerate(step.rows):
         m = int(num_sampled[row]) if row < len(num_sampled) else 0
@@ -44,7 +45,10 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
             changed[id(request)] = request
             continue
         before = seq.num_tokens
-        seq.num_computed_tokens += step.num_tokens[row]
+        # Preempted while the step ran (async scheduling): its tokens count, its KV went.
+        placed = seq.row is not None
+        if placed:
+            seq.num_computed_tokens += step.num_tokens[row]
         if m == 0:
             continue
         # A sampling row draws one uniform, and two per draft it verified.
@@ -57,7 +61,8 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
             lp_ranks[sl] if lp_ranks is not None else None,
         )
         # Drafts the worker accepted were computed; the last token is not yet.
-        seq.num_computed_tokens = before + m - 1
+        if placed:
+            seq.num_computed_tokens = before + m - 1
         request.note_tokens(now)
         changed[id(request)] = request
 

@@ -82,6 +82,15 @@ class ScheduledStep:
     rows: list[Sequence]
     #: tokens run per row (0: the row waits this step)
     num_tokens: list[int]
+    #: tokens each row samples (1: the step reaches the end of its known tokens; the
+    #: scheduler counts them in flight until the reply is merged)
+    num_samples: list[int]
+
+    def settle(self) -> None:
+        """Its reply was merged, or will never come: its tokens are no longer in flight."""
+        for seq, n, m in zip(self.rows, self.num_tokens, self.num_samples):
+            seq.num_inflight_tokens -= n
+            seq.num_inflight_samples -= m
 
 
 class WorkerScheduler:
@@ -160,6 +169,7 @@ class WorkerScheduler:
         seqs = self.running
         for seq in seqs:
             seq.row, seq.num_computed_tokens = None, 0
+            seq.num_inflight_tokens = seq.num_inflight_samples = 0
             seq.block_ids, seq.num_registered_blocks = [], 0
         self.rows = []
         self.builder = BatchUpdateBuilder()
@@ -198,13 +208,16 @@ class WorkerScheduler:
         routing)."""
         budget = self.token_budget
         planned: dict[int, int] = {}  # id(seq) -> tokens
+        samples: dict[int, int] = {}  # id(seq) -> 1 where the step samples
         preempted: list[Sequence] = []
         self._new_blocks = {}
 
         running = sorted(self.running, key=lambda s: s.sort_key)
         while running and budget > 0:
             seq = running.pop(0)
-            n = min(seq.num_uncomputed_tokens, budget, self.chunk_limit)
+            if seq.ends_in_flight:
+                continue  # its last token is being sampled; the reply will free it
+            n = min(seq.num_unscheduled_tokens, budget, self.chunk_limit)
             if n <= 0:
                 continue
             need = self._blocks_needed(seq, n)
@@ -218,6 +231,7 @@ class WorkerScheduler:
                 break
             self._grow(seq, need)
             planned[id(seq)] = n
+            samples[id(seq)] = int(n == seq.num_unscheduled_tokens)
             budget -= n
         for seq in preempted:
             waiting.push(seq)
@@ -231,7 +245,9 @@ class WorkerScheduler:
             seq = waiting.peek()
             if seq.suspect and num_held:
                 break  # it waits for this worker (or another) to drain
-            if self._waits_for_its_first_sample(seq) or (admit is not None and not admit(seq, self)):
+            if seq.num_inflight_tokens or self._waits_for_its_first_sample(seq) \
+                    or (admit is not None and not admit(seq, self)):
+                # (in flight: preempted while a step ran; it waits for that reply)
                 passed_over.append(waiting.pop())
                 continue
             n = self._admit(seq, budget)
@@ -240,6 +256,7 @@ class WorkerScheduler:
             waiting.pop()
             self._place(seq)
             planned[id(seq)] = n
+            samples[id(seq)] = int(n == seq.num_unscheduled_tokens)
             budget -= n
             num_held += 1
             alone = seq.suspect
@@ -254,6 +271,10 @@ class WorkerScheduler:
             return None, preempted
         rows: list[Sequence] = list(self.rows)  # no holes after condensing
         num_tokens = [planned.get(id(seq), 0) for seq in rows]
+        num_samples = [samples.get(id(seq), 0) for seq in rows]
+        for seq, n, m in zip(rows, num_tokens, num_samples):
+            seq.num_inflight_tokens += n
+            seq.num_inflight_samples += m
         new_blocks = [self._new_blocks.get(id(seq), ()) for seq in rows]
         message = StepRequest(
             version=PROTOCOL_VERSION,
@@ -275,13 +296,13 @@ class WorkerScheduler:
             new_block_ids=Int32Array.of([b for blocks in new_blocks for b in blocks]),
         )
         self.step_id += 1
-        return ScheduledStep(message, rows, num_tokens), preempted
+        return ScheduledStep(message, rows, num_tokens, num_samples), preempted
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         """Blocks ``seq`` must gain to run ``n`` more tokens (drafts included when the
         step finishes its known tokens and may propose some)."""
-        drafts = self.num_spec_tokens if n == seq.num_uncomputed_tokens else 0
-        return max(0, self.blocks_for(seq.num_computed_tokens + n + drafts) - len(seq.block_ids))
+        drafts = self.num_spec_tokens if n == seq.num_unscheduled_tokens else 0
+        return max(0, self.blocks_for(seq.num_planned_tokens + n + drafts) - len(seq.block_ids))
 
     def _grow(self, seq: Sequence, num_blocks: int) -> None:
         if num_blocks:

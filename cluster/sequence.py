@@ -49,6 +49,10 @@ class Sequence:
         self.priority = 0
         self.order = 0  # arrival counter: FCFS order, ties in priority
         self.num_computed_tokens = 0
+        #: tokens scheduled in steps sent and not yet merged, and the tokens those steps
+        #: will sample (async scheduling plans the next step before a reply is merged)
+        self.num_inflight_tokens = 0
+        self.num_inflight_samples = 0
         #: the KV blocks it holds on its worker, in order (its block table)
         self.block_ids: list[int] = []
         #: leading blocks of ``block_ids`` whose content is registered for reuse
@@ -106,6 +110,28 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens for the next step to run: those not yet computed nor in a step in
+        flight, counting the ones steps in flight will sample (their values live on
+        the worker until the reply is merged)."""
+        return self.num_uncomputed_tokens + self.num_inflight_samples - self.num_inflight_tokens
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens computed or scheduled: where its KV ends once the steps in flight ran."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """A step in flight samples its last token (``max_tokens`` or the model's
+        length): nothing more to schedule for it, whatever that token is."""
+        if not self.num_inflight_samples:
+            return False
+        n = len(self.output_token_ids) + self.num_inflight_samples
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and n >= max_tokens) or self.num_tokens + self.num_inflight_samples >= self.max_model_len
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,16 @@ logger = logging.getLogger("raydecode")
 
 
 @dataclass
+class SentStep:
+    """A step handed to a worker: its reply's ObjectRef and when it was sent."""
+
+    ref: Any
+    step: Any  # the ScheduledStep
+    sent_at: float  # perf_counter time it was handed to Ray
+    sent_monotonic: float  # monotonic time, for the step timeout
+
+
+@dataclass
 class WorkerSlot:
     """One worker actor and the driver's view of it."""
 
@@ -58,16 +68,25 @@ class WorkerSlot:
     info: WorkerInfo | None = None
     # The engine's, once live:
     scheduler: Any = None
-    inflight: Any = None  # ObjectRef of the running step
-    step: Any = None  # the ScheduledStep in flight
-    sent_at: float = 0.0  # perf_counter time the running step was handed to Ray
-    sent_monotonic: float = 0.0  # monotonic time, for the step timeout
+    #: steps sent and not yet merged, oldest first (two under async scheduling: the
+    #: worker runs one while the next waits in its actor queue)
+    pending: list[SentStep] = field(default_factory=list)
     probe_ref: Any = None  # a liveness call on an idle worker
     probed_at: float = 0.0
 
     @property
     def live(self) -> bool:
         return self.scheduler is not None
+
+    @property
+    def inflight(self) -> Any:
+        """ObjectRef of the oldest step in flight (None: the worker is idle)."""
+        return self.pending[0].ref if self.pending else None
+
+    @property
+    def step(self) -> Any:
+        """The oldest ScheduledStep in flight."""
+        return self.pending[0].step if self.pending else None
 
     @property
     def placed(self) -> bool:

@@ -67,6 +67,7 @@ def waiting_key(seq: Sequence) -> tuple[int, int, int]:
 def merge_reply(step: ScheduledStep, sampled: dict[str, list[int]] | None = None) -> None:
     """The driver's merge of a reply (cluster/output_processor.py): every row whose chunk
     reached its last known token sampled (``sampled[seq_id]``, else one token 7)."""
+    step.settle()
     for seq, n in zip(step.rows, step.num_tokens):
         before = seq.num_tokens
         seq.num_computed_tokens += n
