@@ -7,12 +7,13 @@ outputs), and returns the ``RequestOutput``s that changed. Not thread-safe: ``As
 drives it from one thread (``make_request`` alone may run in another).
 
 Async scheduling (``EngineConfig.async_scheduling``, on unless speculative decoding is):
-each worker has up to two steps in flight. The step after the running one is planned
-before the running one's reply is merged (the scheduler counts the tokens in flight, and
-the tokens they will sample, per sequence), so it waits in the actor's queue and the
-worker starts it the moment it finishes, instead of idling through the reply's trip,
-the merge, the next schedule and the next message's trip (~3-4 ms per step here). The
-worker holds every sampled token itself, so a planned step needs none of their values.
+each worker has up to two steps in flight. A decode step (nobody waiting, no prefill
+chunk left) is planned behind the running one before that one's reply is merged (the
+scheduler counts the tokens in flight, and the tokens they will sample, per sequence),
+so it waits in the actor's queue and the worker starts it the moment the running one
+ends, instead of idling through the reply's trip, the merge, the next schedule and the
+next message's trip (~3-4 ms per step here). The worker holds every sampled token
+itself, so a planned step needs none of their values.
 A sequence whose last token (``max_tokens``) is being sampled is not planned further; one
 that stops on EOS or a stop string runs one token more, which is dropped. A sequence
 preempted while its step is in flight keeps that step's token and waits for the reply
@@ -375,8 +376,17 @@ class LLMEngine:
         share = max(1, math.ceil(held / len(live)))
         for slot in live:
             while slot.live and len(slot.pending) < self.steps_ahead:
+                if slot.pending and not self._plans_ahead(slot):
+                    break
                 if not self._send_next(slot, share):
                     break
+
+    def _plans_ahead(self, slot: WorkerSlot) -> bool:
+        """Whether to queue a step behind ``slot``'s running one: only a decode step
+        with nobody waiting. A request that arrives later waits behind the queued step
+        as well as the running one; a decode step is short, a prefill chunk is not (and
+        its ~3 ms round trip matters little beside its length)."""
+        return not self.waiting and slot.scheduler.decodes_only()
 
     def _send_next(self, slot: WorkerSlot, share: int) -> bool:
         """Schedules and sends ``slot``'s next step; False when there was nothing to

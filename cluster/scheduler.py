@@ -137,6 +137,11 @@ class WorkerScheduler:
     def num_running(self) -> int:
         return sum(s is not None for s in self.rows)
 
+    def decodes_only(self) -> bool:
+        """Whether the next step would run at most one token per running sequence (no
+        prefill chunk: what is left of each prompt is already computed or in flight)."""
+        return all(s is None or s.num_unscheduled_tokens <= 1 for s in self.rows)
+
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 

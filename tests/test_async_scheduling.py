@@ -217,6 +217,30 @@ def test_the_simulation_covers_what_async_scheduling_risks():
     assert min(total.values()) > 0, total
 
 
+def test_only_decode_steps_are_planned_ahead_of_the_running_one():
+    """``decodes_only``: true once every running sequence has at most one token left to
+    plan (its prompt computed or in flight); the engine then queues a step if nobody
+    waits."""
+    sched = WorkerScheduler(4, 20, 64, 4)
+    waiting = WaitingQueue()
+    long, short = _seq("long", 0, 40, 5, False), _seq("short", 1, 3, 5, False)
+    waiting.push(long)
+    waiting.push(short)
+    first, _ = sched.schedule(waiting, 4)
+    assert first.num_tokens == [20] and first.num_samples == [0] and not sched.decodes_only()
+    second, _ = sched.schedule(waiting, 4)  # planned ahead: the rest of long's prompt
+    assert second.num_tokens == [20] and second.num_samples == [1]
+    assert sched.decodes_only() and len(waiting) == 1  # short still waits: no step ahead
+    third, _ = sched.schedule(waiting, 4)  # long's first decode (its token is in flight)
+    assert third.num_tokens == [1, 3] and third.num_samples == [1, 1] and sched.decodes_only()
+    for step in (first, second, third):
+        apply_reply(step, _reply(step, {s.seq_id: [42] for s, m in zip(step.rows, step.num_samples) if m}))
+    assert long.output_token_ids == [42, 42] and long.num_computed_tokens == 41
+    assert short.output_token_ids == [42] and short.num_computed_tokens == 3
+    assert all(s.num_inflight_tokens == s.num_inflight_samples == 0 for s in (long, short))
+    assert sched.decodes_only()
+
+
 def test_config():
     assert EngineConfig().async_scheduling_on
     assert not EngineConfig(num_spec_tokens=2).async_scheduling_on
