@@ -50,11 +50,12 @@ class EngineConfig:
     #: swap rows so decodes precede prefill chunks in every step (vLLM's batch order
     #: for attention backends that want it; results are the same either way)
     decodes_first: bool = False
-    #: plan each worker's next step before the reply of the one it runs is merged, so
-    #: the worker starts it at once instead of waiting a driver round trip (results are
-    #: the same; a sequence that stops on EOS or a stop string may compute one token
-    #: more, which is dropped). None: on unless speculative decoding is (the next
-    #: step's length depends on how many drafts are accepted)
+    #: plan each worker's next decode step before the reply of the one it runs is
+    #: merged, so the worker starts it at once instead of waiting a driver round trip
+    #: (results are the same; a sequence that stops on EOS or a stop string may compute
+    #: one token more, which is dropped). None: on for GPU workers without speculative
+    #: decoding, off on CPU (as vLLM: there the driver's work would take the cores the
+    #: forward runs on)
     async_scheduling: bool | None = None
     #: "fcfs" or "priority" (lower value first, vLLM's convention)
     scheduling_policy: str = "fcfs"
@@ -176,11 +177,11 @@ class EngineConfig:
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
 
-    @property
-    def async_scheduling_on(self) -> bool:
-        """Whether the engine plans a step ahead (``async_scheduling`` resolved)."""
+    def async_scheduling_on(self, device: str) -> bool:
+        """Whether the engine plans a step ahead for workers on ``device``
+        (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
-            return self.num_spec_tokens == 0
+            return self.num_spec_tokens == 0 and not device.startswith("cpu")
         return self.async_scheduling
 
     def worker_config(self) -> WorkerConfig:

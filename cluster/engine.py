@@ -144,7 +144,7 @@ class LLMEngine:
         self.stats = StepStats()
         #: steps a worker may have in flight: 2 under async scheduling (the next step
         #: waits in the worker's queue while this one runs and its reply is merged)
-        self.steps_ahead = 2 if config.async_scheduling_on else 1
+        self.steps_ahead = 2 if config.async_scheduling_on(infos[0].device) else 1
         #: counters for monitoring (``deploy/metrics.py`` exposes them as vLLM's metrics)
         self.metrics = EngineMetrics(self.max_model_len)
         #: monotonic time of the last completed (or failed) step, or of being idle

@@ -242,9 +242,11 @@ def test_only_decode_steps_are_planned_ahead_of_the_running_one():
 
 
 def test_config():
-    assert EngineConfig().async_scheduling_on
-    assert not EngineConfig(num_spec_tokens=2).async_scheduling_on
-    assert not EngineConfig(async_scheduling=False).async_scheduling_on
+    assert EngineConfig().async_scheduling_on("cuda:0")
+    assert not EngineConfig().async_scheduling_on("cpu")
+    assert EngineConfig(async_scheduling=True).async_scheduling_on("cpu")
+    assert not EngineConfig(num_spec_tokens=2).async_scheduling_on("cuda:0")
+    assert not EngineConfig(async_scheduling=False).async_scheduling_on("cuda:0")
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True, num_spec_tokens=2)
     with pytest.raises(ValueError, match="async_scheduling"):
@@ -312,3 +314,47 @@ def test_same_outputs_with_and_without_async_scheduling(ray_local, tiny_model_pa
                 assert [sorted(p) for p in x.logprobs] == [sorted(p) for p in y.logprobs]
                 assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, rel=1e-4, abs=1e-4)
     assert reasons == {"length", "stop"}
+
+
+def test_a_worker_killed_with_two_steps_in_flight_loses_nothing(ray_local, tiny_model_path):
+    """Two data-parallel workers a step ahead; one is SIGKILLed while it has a step
+    queued behind the running one. Both steps are dropped (their sequences re-queued,
+    the replacement or the other worker carries on) and every request still gets the
+    greedy answer of transformers' ``generate``."""
+    import os
+    import signal
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster import LLM
+    from test_model_runner import assert_greedy_equal, generate
+    from test_model_runner import prompts as random_prompts
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ps = random_prompts(400, [5, 23, 9, 40, 14, 31, 7, 18], seed=31)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(tiny_model_path, num_workers=2, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32,
+              worker_num_cpus=1, async_scheduling=True, worker_restart_backoff_max_s=2)
+    try:
+        engine = llm.engine
+        killed = []
+        for i, p in enumerate(ps):
+            engine.add_request(f"k{i}", {"prompt_token_ids": p}, params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step(timeout=0.2):
+                if out.finished:
+                    finals[out.request_id] = out
+            busy = [w for w in engine.workers if w.live and len(w.pending) == 2 and w.pid is not None
+                    and any(s.output_token_ids for s in w.scheduler.running)]
+            if not killed and busy:
+                killed.append(busy[0].index)
+                os.kill(busy[0].pid, signal.SIGKILL)
+        assert killed and engine.num_worker_failures == 1
+    finally:
+        llm.shutdown()
+    for i, p in enumerate(ps):
+        out = finals[f"k{i}"].outputs[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 24
+        assert_greedy_equal(reference, p, out.token_ids, generate(reference, p, 24))
