@@ -6,8 +6,8 @@ workers their next steps at once (so the workers compute while the driver builds
 outputs), and returns the ``RequestOutput``s that changed. Not thread-safe: ``AsyncLLM``
 drives it from one thread (``make_request`` alone may run in another).
 
-Async scheduling (``EngineConfig.async_scheduling``, on unless speculative decoding is):
-each worker has up to two steps in flight. A decode step (nobody waiting, no prefill
+Async scheduling (``EngineConfig.async_scheduling``; by default on for GPU workers without
+speculative decoding, off on CPU): each worker has up to two steps in flight. A decode step (nobody waiting, no prefill
 chunk left) is planned behind the running one before that one's reply is merged (the
 scheduler counts the tokens in flight, and the tokens they will sample, per sequence),
 so it waits in the actor's queue and the worker starts it the moment the running one
