@@ -6,14 +6,14 @@ workers their next steps at once (so the workers compute while the driver builds
 outputs), and returns the ``RequestOutput``s that changed. Not thread-safe: ``AsyncLLM``
 drives it from one thread (``make_request`` alone may run in another).
 
-Async scheduling (``EngineConfig.async_scheduling``; by default on for GPU workers without
-speculative decoding, off on CPU): each worker has up to two steps in flight. A decode step (nobody waiting, no prefill
-chunk left) is planned behind the running one before that one's reply is merged (the
-scheduler counts the tokens in flight, and the tokens they will sample, per sequence),
-so it waits in the actor's queue and the worker starts it the moment the running one
-ends, instead of idling through the reply's trip, the merge, the next schedule and the
-next message's trip (~3-4 ms per step here). The worker holds every sampled token
-itself, so a planned step needs none of their values.
+Async scheduling (``EngineConfig.async_scheduling``; by default on for GPU workers
+without speculative decoding, off on CPU): each worker has up to two steps in flight. A
+decode step (nobody waiting, no prefill chunk left) is planned behind the running one
+before that one's reply is merged (the scheduler counts the tokens in flight, and the
+tokens they will sample, per sequence), so it waits in the actor's queue and the worker
+starts it the moment the running one ends, instead of idling through the reply's trip,
+the merge, the next schedule and the next message's trip (~3-4 ms per step here). The
+worker holds every sampled token itself, so a planned step needs none of their values.
 A sequence whose last token (``max_tokens``) is being sampled is not planned further; one
 that stops on EOS or a stop string runs one token more, which is dropped. A sequence
 preempted while its step is in flight keeps that step's token and waits for the reply

@@ -174,7 +174,6 @@ class WorkerScheduler:
         seqs = self.running
         for seq in seqs:
             seq.row, seq.num_computed_tokens = None, 0
-            seq.num_inflight_tokens = seq.num_inflight_samples = 0
             seq.block_ids, seq.num_registered_blocks = [], 0
         self.rows = []
         self.builder = BatchUpdateBuilder()
@@ -213,7 +212,6 @@ class WorkerScheduler:
         routing)."""
         budget = self.token_budget
         planned: dict[int, int] = {}  # id(seq) -> tokens
-        samples: dict[int, int] = {}  # id(seq) -> 1 where the step samples
         preempted: list[Sequence] = []
         self._new_blocks = {}
 
@@ -236,7 +234,6 @@ class WorkerScheduler:
                 break
             self._grow(seq, need)
             planned[id(seq)] = n
-            samples[id(seq)] = int(n == seq.num_unscheduled_tokens)
             budget -= n
         for seq in preempted:
             waiting.push(seq)
@@ -261,7 +258,6 @@ class WorkerScheduler:
             waiting.pop()
             self._place(seq)
             planned[id(seq)] = n
-            samples[id(seq)] = int(n == seq.num_unscheduled_tokens)
             budget -= n
             num_held += 1
             alone = seq.suspect
@@ -276,7 +272,9 @@ class WorkerScheduler:
             return None, preempted
         rows: list[Sequence] = list(self.rows)  # no holes after condensing
         num_tokens = [planned.get(id(seq), 0) for seq in rows]
-        num_samples = [samples.get(id(seq), 0) for seq in rows]
+        # A row samples when its tokens reach the end of what it has (counted before
+        # this step's tokens go in flight).
+        num_samples = [int(0 < n == seq.num_unscheduled_tokens) for seq, n in zip(rows, num_tokens)]
         for seq, n, m in zip(rows, num_tokens, num_samples):
             seq.num_inflight_tokens += n
             seq.num_inflight_samples += m

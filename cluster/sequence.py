@@ -127,11 +127,13 @@ class Sequence:
     def ends_in_flight(self) -> bool:
         """A step in flight samples its last token (``max_tokens`` or the model's
         length): nothing more to schedule for it, whatever that token is."""
-        if not self.num_inflight_samples:
-            return False
-        n = len(self.output_token_ids) + self.num_inflight_samples
+        k = self.num_inflight_samples
+        return k > 0 and self._at_length(len(self.output_token_ids) + k, self.num_tokens + k)
+
+    def _at_length(self, num_output: int, num_tokens: int) -> bool:
+        """The length rule: ``max_tokens`` outputs, or the model's length."""
         max_tokens = self.params.max_tokens
-        return (max_tokens is not None and n >= max_tokens) or self.num_tokens + self.num_inflight_samples >= self.max_model_len
+        return (max_tokens is not None and num_output >= max_tokens) or num_tokens >= self.max_model_len
 
     @property
     def finished(self) -> bool:
@@ -188,7 +190,7 @@ class Sequence:
                 return
         else:
             self.detokenizer.append(token, check_stop=False)  # stop strings count from min_tokens on
-        if (p.max_tokens is not None and n >= p.max_tokens) or self.num_tokens >= self.max_model_len:
+        if self._at_length(n, self.num_tokens):
             self.finish_reason = "length"
 
     def finish(self, reason: str) -> None:
