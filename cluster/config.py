@@ -57,6 +57,11 @@ class EngineConfig:
     #: decoding, off on CPU (as vLLM: there the driver's work would take the cores the
     #: forward runs on)
     async_scheduling: bool | None = None
+    #: send steps and replies over a socket straight to each worker (the same messages;
+    #: ~0.03 ms a round trip against ~3 ms for a Ray call here) instead of one Ray task
+    #: call per step. Ray still places, probes, resets and replaces the workers; a worker
+    #: whose channel cannot be opened gets Ray calls
+    step_channel: bool = True
     #: "fcfs" or "priority" (lower value first, vLLM's convention)
     scheduling_policy: str = "fcfs"
     #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off

@@ -57,11 +57,13 @@ from cluster.worker_pool import SentStep, WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
 from worker.model_loader import load_tokenizer
 from worker.protocol import Codec, StepTimings
+from worker.step_channel import ChannelClosed, StepFailed, wait_ready
 from worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger("raydecode")
 
-#: Seconds between liveness probes of a worker with no step in flight.
+#: Seconds between liveness probes of a worker with no step in flight (or with one on
+#: its step channel).
 IDLE_PROBE_S = 5.0
 
 
@@ -188,8 +190,11 @@ class LLMEngine:
             logger.warning("worker %d is serving", slot.index)
         now = time.monotonic()
         for slot in [w for w in self.workers if w.live]:
+            # A step on the channel does not tell of a node that vanished without
+            # closing its sockets (a Ray call would), so busy channel workers are probed too.
+            probe = slot.inflight is None or slot.channel is not None
             if slot.probe_ref is None:
-                if slot.inflight is None and now - slot.probed_at > IDLE_PROBE_S:
+                if probe and now - slot.probed_at > IDLE_PROBE_S:
                     slot.probe_ref, slot.probed_at = slot.actor.health.remote(), now
                 continue
             ready, _ = ray.wait([slot.probe_ref], timeout=0)
@@ -199,8 +204,9 @@ class LLMEngine:
             try:
                 ray.get(ref, timeout=0 if not ready else self.config.ray_call_timeout_s)
             except RayError as exc:
-                if slot.inflight is None:  # else the step in flight reports it
-                    self._step_failed(slot, None, f"worker {slot.index} was lost while idle ({type(exc).__name__})", lost=True)
+                if slot.inflight is None or slot.channel is not None:  # else the step in flight reports it
+                    state = "idle" if slot.inflight is None else "running a step"
+                    self._step_failed(slot, slot.step, f"worker {slot.index} was lost while {state} ({type(exc).__name__})", lost=True)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -338,15 +344,11 @@ class LLMEngine:
             # Wake up in time to notice a step that outlives step_timeout_s.
             now = time.monotonic()
             first_deadline = min(w.pending[0].sent_monotonic for w in busy) + self.config.step_timeout_s
-            wait_for = max(0.0, min(timeout, first_deadline - now))
-            ready, _ = ray.wait([w.inflight for w in busy], num_returns=1, timeout=wait_for)
-            if ready:
-                ready, _ = ray.wait([w.inflight for w in busy], num_returns=len(busy), timeout=0)
+            done = self._wait_replies(busy, max(0.0, min(timeout, first_deadline - now)))
             ready_at = time.perf_counter()
             self.stats.wait += ready_at - t0
-            done = set(ready)
             for slot in busy:
-                if slot.inflight in done:
+                if slot in done:
                     self._receive(slot, ready_at)
                 elif time.monotonic() - slot.pending[0].sent_monotonic > self.config.step_timeout_s:
                     self._step_failed(
@@ -365,6 +367,31 @@ class LLMEngine:
         self.stats.outputs += time.perf_counter() - t0
         self.stats.steps += 1
         return outputs
+
+    @staticmethod
+    def _wait_replies(busy: list[WorkerSlot], timeout: float) -> list[WorkerSlot]:
+        """The busy workers whose oldest step has replied (or failed), waiting at most
+        ``timeout`` seconds for the first: on their step channels, or on the Ray refs
+        of those without one."""
+        channels = {w.channel.connection: w for w in busy if w.channel is not None}
+        refs = {w.pending[0].ref: w for w in busy if w.channel is None}
+        if not refs:
+            return [channels[c] for c in wait_ready(list(channels), timeout)]
+        if not channels:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=timeout)
+            if ready:
+                ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            return [refs[r] for r in ready]
+        # Both kinds (a worker whose channel could not be opened beside ones with a
+        # channel): polled in 1 ms slices.
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            left = max(0.0, deadline - time.monotonic())
+            done = [refs[r] for r in ready]
+            done += [channels[c] for c in wait_ready(list(channels), 0 if done else min(0.001, left))]
+            if done or left <= 0:
+                return done
 
     def _dispatch(self) -> None:
         live = [w for w in self.workers if w.live]
@@ -405,9 +432,16 @@ class LLMEngine:
         for seq in step.rows:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
+        ref = None
         try:
             message = self._codec.encode(step.message)
-            ref = slot.actor.step.remote(message)
+            if slot.channel is not None:
+                slot.channel.send(message)
+            else:
+                ref = slot.actor.step.remote(message)
+        except ChannelClosed as exc:  # the worker's end is gone: it died
+            self._step_failed(slot, step, f"worker {slot.index} lost: {exc}", lost=True)
+            return False
         except Exception as exc:  # nothing was sent: the worker's batch is as it was
             logger.exception("step %d for worker %d could not be sent", step.message.step_id, slot.index)
             self._step_failed(slot, step, f"the step could not be sent: {exc!r}", lost=False)
@@ -451,18 +485,21 @@ class LLMEngine:
             nxt = slot.pending[0]
             nxt.sent_at, nxt.sent_monotonic = max(nxt.sent_at, ready_at), max(nxt.sent_monotonic, time.monotonic())
         t0 = time.perf_counter()
-        try:
-            data = ray.get(ref, timeout=self.config.ray_call_timeout_s)  # counted as reply decode
-        except RayTaskError as exc:
+        try:  # counted as reply decode
+            data = slot.channel.receive() if slot.channel is not None else ray.get(ref, timeout=self.config.ray_call_timeout_s)
+        except (RayTaskError, StepFailed) as exc:
             # The worker raised (a bug, or a request that breaks the model); it is alive.
-            self._step_failed(slot, step, f"worker {slot.index} raised on step {step.message.step_id}: {exc.cause!r}", lost=False)
+            cause = exc.cause if isinstance(exc, RayTaskError) else exc
+            self._step_failed(slot, step, f"worker {slot.index} raised on step {step.message.step_id}: {cause!r}", lost=False)
             return
-        except RayError as exc:
+        except (RayError, ChannelClosed) as exc:
             # It died, its node went, the reply object was lost, or it cannot be fetched.
             self._step_failed(slot, step, f"worker {slot.index} lost on step {step.message.step_id} ({type(exc).__name__})", lost=True)
             return
         try:
             reply = self._codec.decode_reply(data)
+            if reply.step_id != step.message.step_id:
+                raise ValueError(f"it answers step {reply.step_id}")
             t1 = time.perf_counter()
             self.stats.add_worker_step(ready_at - sent.sent_at, reply.timings)
             before = self.metrics.before_reply(step.rows)
@@ -513,8 +550,13 @@ class LLMEngine:
         logger.warning("%s; %d requests charged a failure, their sequences re-queued", reason, len(charged))
         self.last_progress = time.monotonic()
         if not lost:
+            # The reset closes the worker's step channel first (a step queued behind the
+            # failed one must not run after it), so a new one is opened.
+            had_channel = slot.channel is not None
             try:
                 ray.get(slot.actor.reset.remote(), timeout=self.config.ray_call_timeout_s)
+                if had_channel:
+                    self.pool.open_channel(slot)
                 return
             except RayError as exc:
                 reason = f"{reason}; then its reset failed ({type(exc).__name__})"

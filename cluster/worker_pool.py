@@ -35,13 +35,15 @@ from cluster.config import EngineConfig
 from worker.actor import create_worker, decode_info
 from worker.model_loader import ModelLoadError
 from worker.protocol import WorkerInfo
+from worker.step_channel import StepChannel
 
 logger = logging.getLogger("raydecode")
 
 
 @dataclass
 class SentStep:
-    """A step handed to a worker: its reply's ObjectRef and when it was sent."""
+    """A step handed to a worker: its reply's ObjectRef (None on the step channel)
+    and when it was sent."""
 
     ref: Any
     step: Any  # the ScheduledStep
@@ -66,6 +68,8 @@ class WorkerSlot:
     num_threads: int | None = None
     placement_reported: bool = False
     info: WorkerInfo | None = None
+    #: the worker's step channel (None: steps go as Ray calls)
+    channel: StepChannel | None = None
     # The engine's, once live:
     scheduler: Any = None
     #: steps sent and not yet merged, oldest first (two under async scheduling: the
@@ -79,9 +83,9 @@ class WorkerSlot:
         return self.scheduler is not None
 
     @property
-    def inflight(self) -> Any:
-        """ObjectRef of the oldest step in flight (None: the worker is idle)."""
-        return self.pending[0].ref if self.pending else None
+    def inflight(self) -> SentStep | None:
+        """The oldest step in flight (None: the worker is idle)."""
+        return self.pending[0] if self.pending else None
 
     @property
     def step(self) -> Any:
@@ -134,7 +138,7 @@ class WorkerPool:
         return {"num_gpus": gpus, "num_cpus": cpus, "resources": dict(c.worker_resources)}
 
     def _spawn(self) -> WorkerSlot:
-        actor = create_worker(**self._resources)
+        actor = create_worker(**self._resources, compute_thread=self.config.step_channel)
         slot = WorkerSlot(next(self._ids), actor, self._resources, actor.ready.remote())
         self.slots.append(slot)
         return slot
@@ -233,7 +237,7 @@ class WorkerPool:
         if not ready:
             return
         try:
-            slot.info = decode_info(ray.get(slot.load_ref, timeout=self.config.ray_call_timeout_s))
+            info = decode_info(ray.get(slot.load_ref, timeout=self.config.ray_call_timeout_s))
         except RayTaskError as exc:
             if raise_errors:
                 raise ModelLoadError(f"a worker could not load the model: {exc.cause}") from None
@@ -243,6 +247,19 @@ class WorkerPool:
                 raise RuntimeError(f"worker {slot.index} died while loading the model ({type(exc).__name__})") from None
             raise _StartFailed(f"died while loading the model ({type(exc).__name__})") from None
         slot.load_ref = None
+        if self.config.step_channel:
+            self.open_channel(slot)
+        slot.info = info
+
+    def open_channel(self, slot: WorkerSlot) -> None:
+        """Connects ``slot``'s step channel (a new one: whatever the old one still held
+        is dropped); on failure its steps go as Ray calls."""
+        close_channel(slot)
+        try:
+            address = ray.get(slot.actor.open_channel.remote(), timeout=self.config.ray_call_timeout_s)
+            slot.channel = StepChannel(address, send_timeout_s=self.config.step_timeout_s)
+        except Exception as exc:  # e.g. a port the engine's node cannot reach
+            logger.warning("worker %d: no step channel (%r); its steps go as Ray calls", slot.index, exc)
 
     def _where(self, slot: WorkerSlot) -> dict[str, Any]:
         try:
@@ -315,6 +332,7 @@ class WorkerPool:
         self.num_failures += 1
         self.last_error = reason
         logger.warning("%s", reason)
+        close_channel(slot)
         _kill(slot.actor)
         if slot in self.slots:
             self.slots.remove(slot)
@@ -328,6 +346,7 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         for slot in self.slots:
+            close_channel(slot)
             _kill(slot.actor)
         self.slots = []
 
@@ -354,6 +373,12 @@ class _StartFailed(RuntimeError):
 
 def _pick(resources: dict[str, float], keys: list[str]) -> dict[str, float]:
     return {k: resources.get(k, 0) for k in keys}
+
+
+def close_channel(slot: WorkerSlot) -> None:
+    if slot.channel is not None:
+        slot.channel.close()
+        slot.channel = None
 
 
 def _kill(actor: Any) -> None:

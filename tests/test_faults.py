@@ -41,6 +41,7 @@ from cluster.output_processor import apply_reply
 from conftest import start_local_ray
 from sampler.params import SamplingParams
 from test_model_runner import prompts
+from worker.step_channel import shutdown_connection
 
 VOCAB = 400
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -459,10 +460,11 @@ class TestTwoWorkers:
             assert time.monotonic() < end, "a hung worker process is still running"
             time.sleep(0.2)
 
-    def test_a_lost_reply_object_replaces_the_worker(self, two):
-        """Fetching a step's reply raises ObjectReconstructionFailedError (what Ray
-        raises for a lost object that cannot be rebuilt: worker tasks never retry): the
-        worker is treated as lost although its process still runs."""
+    def test_a_lost_reply_replaces_the_worker(self, two):
+        """A step's reply is lost although the worker's process still runs: its step
+        channel breaks, or (steps as Ray calls) fetching the reply raises
+        ObjectReconstructionFailedError (what Ray raises for a lost object that cannot
+        be rebuilt: worker tasks never retry). The worker is treated as lost."""
         llm, engine, refs = two
         reference = refs("mixed")
         failures = engine.num_worker_failures
@@ -477,6 +479,9 @@ class TestTwoWorkers:
             if victims or sum(len(s.output_token_ids) > 0 for s in rows) < 3:
                 return receive(slot, ready_at)
             victims.append((slot, slot.pid))
+            if slot.channel is not None:
+                shutdown_connection(slot.channel.connection)
+                return receive(slot, ready_at)
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(ray, "get", lost_get)  # only this reply's fetch
                 return receive(slot, ready_at)
@@ -540,6 +545,36 @@ class TestTwoWorkers:
         assert {id(s): s.pid for s in engine.workers if id(s) in live} == live  # the same processes
         assert_like_reference(finals, "e", reference)
         assert max(r.num_failures for r in handles.values()) == 1
+
+
+@pytest.fixture(scope="class")
+def shared_two_ray_calls(ray_local, tiny_model_path):
+    with worker_path_with_tests_dir():
+        llm = LLM(tiny_model_path, num_workers=2, max_num_seqs=8, max_num_batched_tokens=32,
+                  logits_processors=PROCS, worker_restart_backoff_max_s=2, no_worker_timeout_s=100,
+                  step_timeout_s=60, step_channel=False, **COMMON)
+        try:
+            yield llm, References(llm)
+        finally:
+            llm.shutdown()
+
+
+class TestTwoWorkersRayCalls:
+    """Steps as Ray task calls (``step_channel=False``, the path of a worker whose
+    channel cannot be opened): the faults whose detection differs from the channel's."""
+
+    @pytest.fixture
+    def two(self, shared_two_ray_calls):
+        llm, refs = shared_two_ray_calls
+        settle(llm.engine, min_live=1)
+        assert all(w.channel is None for w in llm.engine.workers)
+        with restored_config(llm.engine):
+            yield llm, llm.engine, refs
+
+    test_sigkill_mid_generation_loses_nothing = TestTwoWorkers.test_sigkill_mid_generation_loses_nothing
+    test_a_hanging_step_is_timed_out = TestTwoWorkers.test_a_hanging_step_is_timed_out
+    test_a_lost_reply_replaces_the_worker = TestTwoWorkers.test_a_lost_reply_replaces_the_worker
+    test_a_failed_step_on_a_live_worker_resets_it = TestTwoWorkers.test_a_failed_step_on_a_live_worker_resets_it
 
 
 # -- one worker -----------------------------------------------------------------------

@@ -6,6 +6,10 @@ message that does not decode or does not fit the batch raises ``ProtocolError`` 
 hands it to the caller; the actor and its batch are untouched). Create actors with
 ``create_worker`` (GPU when ``num_gpus`` > 0) and keep ``max_task_retries=0``: a retried
 step would run twice.
+
+Steps arrive as Ray calls or on the step channel (``worker/step_channel.py``). Either
+way every torch call (load, steps, reset, thread counts) runs on one compute thread
+(``worker/compute_thread.py``), which also reads and answers the channel.
 """
 
 from __future__ import annotations
@@ -18,17 +22,31 @@ import msgspec
 import ray
 import torch
 
+from worker.compute_thread import ComputeThread
 from worker.protocol import Codec, WorkerConfig, WorkerInfo
+from worker.step_channel import ChannelAddress, StepChannelServer, channel_host
+
+
+class StaleStep(RuntimeError):
+    """A step read from a step channel that a reset has closed since."""
 
 
 class Worker:
     """Plain class (usable without Ray in tests); ``create_worker`` makes it an actor."""
 
-    def __init__(self) -> None:
+    def __init__(self, compute_thread: bool = True) -> None:
+        """``compute_thread``: run torch on a thread of its own that can also serve a
+        step channel (else Ray calls run it on the actor's main thread, as a plain
+        worker driven only by Ray calls needs no more)."""
         self._codec = Codec()  # built here: msgspec encoders do not pickle
         self._runner = None
         self._steps = 0
         self._started = time.time()
+        self._compute = ComputeThread() if compute_thread else None
+        self._run = self._compute.run if self._compute is not None else _call
+        self._channel: StepChannelServer | None = None
+        #: bumped by each reset; a channel serves the generation it was opened in
+        self._generation = 0
 
     def ready(self) -> dict[str, Any]:
         """Answers as soon as the actor runs: where it landed and how many cores that
@@ -45,11 +63,14 @@ class Worker:
     def set_num_threads(self, num_threads: int) -> None:
         """Torch's intra-op threads (the driver re-splits a node's cores when workers
         arrive or leave)."""
-        torch.set_num_threads(max(1, int(num_threads)))
+        self._run(torch.set_num_threads, max(1, int(num_threads)))
 
     def load(self, config: bytes | WorkerConfig) -> bytes:
         """Loads the model; ``config`` is a msgpack-encoded ``WorkerConfig``. Returns the
         msgpack-encoded ``WorkerInfo``."""
+        return self._run(self._load, config)
+
+    def _load(self, config: bytes | WorkerConfig) -> bytes:
         from worker.model_runner import ModelRunner
 
         if isinstance(config, (bytes, bytearray)):
@@ -63,12 +84,33 @@ class Worker:
         return msgspec.msgpack.encode(self._runner.info)
 
     def step(self, message: bytes) -> bytes:
+        return self._run(self._step, message)
+
+    def _step(self, message: bytes) -> bytes:
         if self._runner is None:
             raise RuntimeError("step before load: call load(config) first")
         started = time.perf_counter()
         reply = self._runner.execute(self._codec.decode_step(message), started)
         self._steps += 1
         return self._codec.encode(reply)
+
+    def open_channel(self) -> ChannelAddress:
+        """Opens a step channel for one engine to connect to (a channel opened before
+        is closed); its steps run until the next reset."""
+        if self._compute is None:
+            raise RuntimeError("this worker was started without a compute thread (step_channel off)")
+        if self._channel is not None:
+            self._channel.close()
+        generation = self._generation
+        self._channel = StepChannelServer(
+            lambda conn: self._compute.attach(conn, lambda m: self._channel_step(m, generation)), channel_host()
+        )
+        return self._channel.address
+
+    def _channel_step(self, message: bytes, generation: int) -> bytes:
+        if generation != self._generation:  # read before a reset that ran first
+            raise StaleStep("the step channel was closed by a reset")
+        return self._step(message)
 
     def health(self) -> dict[str, Any]:
         runner = self._runner
@@ -95,9 +137,22 @@ class Worker:
         return {} if t is None else msgspec.structs.asdict(t)
 
     def reset(self) -> None:
-        """Forgets every request; the model stays loaded."""
+        """Forgets every request; the model stays loaded. It closes the step channel:
+        a step still queued there must not run on the reset batch (the engine opens a
+        new one)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._run(self._reset)
+
+    def _reset(self) -> None:
+        self._generation += 1
         if self._runner is not None:
             self._runner.reset()
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
 
 
 def _usable_cores() -> int:
@@ -120,6 +175,7 @@ def create_worker(
     num_gpus: float = 0,
     num_cpus: float = 1,
     resources: dict[str, float] | None = None,
+    compute_thread: bool = True,
     **options: Any,
 ) -> "ray.actor.ActorHandle":
     """A ``Worker`` actor; a GPU actor when ``num_gpus`` > 0. Extra ``options`` go to
@@ -128,7 +184,7 @@ def create_worker(
     return cls.options(
         num_gpus=num_gpus, num_cpus=num_cpus, resources=resources or {},
         max_restarts=0, max_task_retries=0, **options,
-    ).remote()
+    ).remote(compute_thread)
 
 
 def decode_info(data: bytes) -> WorkerInfo:

@@ -4,12 +4,15 @@ Run: ``python tests/bench/step_split.py [--quick] [--batches 1 8 64]``.
 
 For each batch size B: B requests (prompts of 32-96 tokens cut from the e2e corpus, 64
 greedy tokens each, EOS ignored) through ``LLM.generate`` on one worker that has every
-CPU. The engine's ``StepStats`` split each worker step into
+CPU, once with the steps on the step channel (the default) and once as Ray task calls
+(``step_channel=False``), the two engines one after the other. The engine's
+``StepStats`` split each worker step into
 
   schedule, encode          the driver builds and encodes the step message
-  Ray call                  round trip (handing the message to Ray -> the reply seen
-                            ready) minus the worker's own time: task submission,
-                            transfer, scheduling on the actor, reply return
+  transport                 round trip (sending the message -> the reply seen ready)
+                            minus the worker's own time: on the channel a socket write
+                            and read each way; as a Ray call task submission, transfer,
+                            scheduling on the actor, reply return
   prepare                   worker: message decode, batch changes, attention plan, inputs
   forward, sample           worker: the model, the sampler
   bookkeeping               worker: the rows' new tokens, the reply arrays
@@ -20,10 +23,13 @@ CPU. The engine's ``StepStats`` split each worker step into
 and the figure the issue sets a target on: the share of wall time outside the worker's
 forward + sample (<= 5% at batch 64 on CPU).
 
-Then the channel question: the same step-sized message (and reply) sent to an echo
-actor through a Ray task call and through a Ray Compiled Graph channel, median round
-trip of each; the difference per step is what moving the engine onto a channel could
-save at most.
+Then the transports alone: the same step-sized message (and reply) sent to an echo
+actor through a Ray task call, through a step channel (``worker/step_channel.py``, the
+actor's compute thread answering) and through a Ray Compiled Graph: the median round
+trip of each, and the CPU the two processes use while the echo is called 20 times a
+second (a decode step's pace at one stream), less what they use idle. The compiled
+graph's reader spins on its shared-memory channel: a core's worth, on a machine whose
+two cores the worker's forward needs.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from worker.model_loader import default_model_path  # noqa: E402
 
 TARGET = 0.05
 PARTS = [  # (label, StepStats attribute)
-    ("schedule", "schedule"), ("encode", "encode"), ("Ray call", "ray_call"),
+    ("schedule", "schedule"), ("encode", "encode"), ("transport", "ray_call"),
     ("prepare", "prepare"), ("forward", "forward"), ("sample", "sample"),
     ("bookkeeping", "bookkeeping"), ("reply decode", "decode"), ("merge", "merge"),
     ("outputs", "outputs"),
@@ -75,21 +81,55 @@ def split(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[S
     return llm.engine.stats, time.perf_counter() - start
 
 
-def channel_round_trips(message: bytes, reply: bytes, calls: int) -> tuple[float, float | None]:
-    """Median seconds per round trip: task call, and Compiled Graph channel (None if
-    compiled graphs cannot run here)."""
+class Echo:
+    """Answers a step with a fixed reply, as a Ray call or on a step channel."""
 
-    @ray.remote(num_cpus=0)
-    class Echo:
-        def __init__(self, reply: bytes) -> None:
-            self.reply = reply
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.compute = None
+        self.server = None
 
-        def step(self, message: bytes) -> bytes:
-            return self.reply
+    def step(self, message: bytes) -> bytes:
+        return self.reply
 
-    actor = Echo.remote(reply)
+    def open_channel(self):
+        from worker.compute_thread import ComputeThread
+        from worker.step_channel import StepChannelServer
 
-    def median_of(call) -> float:
+        self.compute = ComputeThread()
+        self.server = StepChannelServer(lambda conn: self.compute.attach(conn, self.step), "127.0.0.1")
+        return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def transports(message: bytes, reply: bytes, calls: int) -> dict[str, tuple[float, float]]:
+    """Per transport: (median seconds per round trip, CPU share of a core that caller
+    and actor use above idle while it is called every 50 ms)."""
+    import psutil
+
+    from worker.step_channel import StepChannel, wait_ready
+
+    actor = ray.remote(num_cpus=0)(Echo).remote(reply)
+    processes = [psutil.Process(), psutil.Process(ray.get(actor.pid.remote()))]
+    channel = StepChannel(ray.get(actor.open_channel.remote()))
+
+    def on_channel() -> bytes:
+        channel.send(message)
+        wait_ready([channel.connection], 10)
+        return channel.receive()
+
+    def cpu_over(seconds: float, call=None) -> float:
+        before = sum(sum(p.cpu_times()[:2]) for p in processes)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            if call is not None:
+                call()
+            time.sleep(0.05)
+        return (sum(sum(p.cpu_times()[:2]) for p in processes) - before) / (time.monotonic() - t0)
+
+    def measure(call) -> tuple[float, float]:
         for _ in range(20):
             call()
         times = []
@@ -97,10 +137,12 @@ def channel_round_trips(message: bytes, reply: bytes, calls: int) -> tuple[float
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(times), cpu_over(5, call) - idle
 
-    task = median_of(lambda: ray.get(actor.step.remote(message)))
-    graph = None
+    idle = cpu_over(5)
+    out = {"Ray task call": measure(lambda: ray.get(actor.step.remote(message))),
+           "step channel": measure(on_channel)}
+    channel.close()
     try:
         from ray.dag import InputNode
 
@@ -108,13 +150,13 @@ def channel_round_trips(message: bytes, reply: bytes, calls: int) -> tuple[float
             dag = actor.step.bind(inp)
         compiled = dag.experimental_compile()
         try:
-            graph = median_of(lambda: ray.get(compiled.execute(message)))
+            out["Compiled Graph"] = measure(lambda: ray.get(compiled.execute(message)))
         finally:
             compiled.teardown()
     except Exception as exc:  # noqa: BLE001
         print(f"compiled graph could not run here: {type(exc).__name__}: {exc}")
     ray.kill(actor)
-    return task, graph
+    return out
 
 
 def main() -> None:
@@ -129,40 +171,51 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(default_model_path()))
     stream = corpus_tokens(tok)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    llm = LLM(model=None, num_workers=1, max_num_seqs=max(args.batches), max_model_len=256)
-    split(llm, *workload(stream, 2, 4, 99))  # warm-up
-
     rows: list[Row] = []
     notes: list[str] = []
-    print(f"step split, SmolLM2-135M float32, one worker with {os.cpu_count()} CPUs, "
-          f"{args.tokens} greedy tokens per request; ms per worker step")
-    head = f"{'batch':>5} | {'steps':>5} | " + " | ".join(f"{label:>12}" for label, _ in PARTS)
-    print(head + f" | {'wall/step':>9} | outside fwd+sample")
     step_bytes = 0
+    walls: dict[tuple[str, int], float] = {}
+    for transport, on in (("step channel", True), ("Ray task calls", False)):
+        llm = LLM(model=None, num_workers=1, max_num_seqs=max(args.batches), max_model_len=256, step_channel=on)
+        split(llm, *workload(stream, 2, 4, 99))  # warm-up
+        print(f"step split, SmolLM2-135M float32, one worker with {os.cpu_count()} CPUs, steps on the "
+              f"{transport}, {args.tokens} greedy tokens per request; ms per worker step")
+        head = f"{'batch':>5} | {'steps':>5} | " + " | ".join(f"{label:>12}" for label, _ in PARTS)
+        print(head + f" | {'wall/step':>9} | outside fwd+sample")
+        for batch in args.batches:
+            stats, wall = split(llm, *workload(stream, batch, args.tokens, batch))
+            n = stats.worker_steps
+            walls[transport, batch] = wall / n
+            per = {attr: getattr(stats, attr) / n * 1e3 for _, attr in PARTS}
+            outside = 1 - (stats.forward + stats.sample) / wall
+            print(f"{batch:>5} | {n:>5} | " + " | ".join(f"{per[attr]:>12.3f}" for _, attr in PARTS)
+                  + f" | {wall / n * 1e3:>9.2f} | {outside:.1%}")
+            target = f"<= {TARGET:.0%}" if batch == 64 and on else ""
+            rows.append(Row(f"{transport}: share of wall time outside worker forward+sample, batch {batch}",
+                            f"{outside:.1%}", target=target, met=outside <= TARGET if target else None))
+            rows.append(Row(f"{transport}: ms per step, batch {batch}: " + " / ".join(label for label, _ in PARTS),
+                            " / ".join(f"{per[attr]:.2f}" for _, attr in PARTS)))
+            notes.append(f"{transport}, batch {batch}: {n} worker steps, {wall / n * 1e3:.1f} ms each on average; "
+                         f"transport {per['ray_call'] / (wall / n * 1e3):.1%} of it; driver parts (schedule, "
+                         f"encode, decode, merge) {(stats.schedule + stats.encode + stats.decode + stats.merge) / wall:.1%} of wall")
+            step_bytes = max(step_bytes, 40 * batch)  # a decode step: a few int32s per row
+        llm.shutdown()
     for batch in args.batches:
-        stats, wall = split(llm, *workload(stream, batch, args.tokens, batch))
-        n = stats.worker_steps
-        per = {attr: getattr(stats, attr) / n * 1e3 for _, attr in PARTS}
-        outside = 1 - (stats.forward + stats.sample) / wall
-        print(f"{batch:>5} | {n:>5} | " + " | ".join(f"{per[attr]:>12.3f}" for _, attr in PARTS)
-              + f" | {wall / n * 1e3:>9.2f} | {outside:.1%}")
-        target = f"<= {TARGET:.0%}" if batch == 64 else ""
-        rows.append(Row(f"share of wall time outside worker forward+sample, batch {batch}", f"{outside:.1%}",
-                        target=target, met=outside <= TARGET if target else None))
-        rows.append(Row(f"ms per step, batch {batch}: " + " / ".join(label for label, _ in PARTS),
-                        " / ".join(f"{per[attr]:.2f}" for _, attr in PARTS)))
-        notes.append(f"batch {batch}: {n} worker steps, {wall / n * 1e3:.1f} ms each on average; Ray call "
-                     f"{per['ray_call'] / (wall / n * 1e3):.1%} of it; driver parts (schedule, encode, decode, "
-                     f"merge) {(stats.schedule + stats.encode + stats.decode + stats.merge) / wall:.1%} of wall")
-        step_bytes = max(step_bytes, 40 * batch)  # a decode step: a few int32s per row
-    llm.shutdown()
+        chan, calls = walls["step channel", batch], walls["Ray task calls", batch]
+        rows.append(Row(f"ms per step, batch {batch}: step channel vs Ray task calls",
+                        f"{chan * 1e3:.1f}", f"{calls * 1e3:.1f}", f"{calls / chan:.2f}x"))
 
-    task, graph = channel_round_trips(b"\0" * step_bytes, b"\0" * (step_bytes * 2), 300)
-    print(f"round trip of a {step_bytes}-byte message: task call {task * 1e3:.3f} ms, compiled graph "
-          + (f"{graph * 1e3:.3f} ms" if graph is not None else "n/a"))
-    if graph is not None:
-        rows.append(Row("round trip ms of a step-sized message: task call vs Compiled Graph channel",
-                        f"{task * 1e3:.3f}", f"{graph * 1e3:.3f}", f"{task / graph:.1f}x slower"))
+    measured = transports(b"\0" * step_bytes, b"\0" * (step_bytes * 2), 300)
+    for name, (trip, cpu) in measured.items():
+        print(f"{name}: round trip of a {step_bytes}-byte message {trip * 1e3:.3f} ms, "
+              f"CPU at 20 calls/s {cpu:.1%} of a core above idle")
+    base_trip, base_cpu = measured["Ray task call"]
+    for name, (trip, cpu) in measured.items():
+        if name != "Ray task call":
+            rows.append(Row(f"round trip ms of a step-sized message: {name} vs Ray task call",
+                            f"{trip * 1e3:.3f}", f"{base_trip * 1e3:.3f}", f"{base_trip / trip:.1f}x faster"))
+            rows.append(Row(f"CPU of caller + actor at 20 round trips/s, share of a core: {name} vs Ray task call",
+                            f"{cpu:.1%}", f"{base_cpu:.1%}"))
     emit("step_split", rows, notes=notes)
     ray.shutdown()
 
