@@ -1,4 +1,6 @@
-"""Prepacked oneDNN linears (worker/cpu_linear.py), float32 and bfloat16.
+"""Prepacked linears (worker/cpu_linear.py): oneDNN's, float32 and bfloat16, and the
+column-panel kernel (worker/panel_linear.cpp), float32, on every instruction set this
+CPU has.
 
 The reference is the exact product in float64 of the same (dtype-rounded) weights and
 inputs, not the op itself; a bfloat16 worker is checked against the float32
@@ -14,8 +16,13 @@ from torch import nn
 
 from sampler.params import SamplingParams
 from test_model_runner import make_worker, prompts
-from worker.cpu_linear import PackedLinear, pack_linear_layers, packable_dtypes
+from worker.cpu_linear import PackedLinear, PanelLinear, pack_linear_layers, packable_dtypes
+from worker.paged_attention import load as load_cpu_kernels
 from worker_driver import MiniDriver, greedy_divergence
+
+OPS = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
+ISAS = OPS.panel_isas() if OPS is not None else []
 
 BF16_PACKS = torch.bfloat16 in packable_dtypes()
 needs_bf16 = pytest.mark.skipif(not BF16_PACKS, reason="oneDNN has no native bfloat16 matmul on this CPU")
@@ -60,6 +67,66 @@ def test_each_packable_dtype_is_packed_and_others_left_alone():
     assert packed == 1 + BF16_PACKS
 
 
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 30, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_equals_the_exact_product(isa, rows, bias):
+    """Every row-block size (1 to 12 and remainders), an odd number of panels (5: the
+    last AVX-512 pair is a single panel) and an odd inner size."""
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(97, 80, bias=bias)
+    x = torch.randn(rows, 97, generator=g)
+    got = torch.empty(rows, 80)
+    OPS.panel_linear(got, x, OPS.pack_panels(lin.weight.detach()), None if lin.bias is None else lin.bias.detach(), isa)
+    want = exact(x, lin)
+    rel, abs_ = BOUNDS[torch.float32]
+    err = (got.double() - want).abs()
+    assert bool((err <= rel * want.abs() + abs_).all()), f"{isa}: worst error {err.max().item():.3g}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_of_a_panel_linear_does_not_depend_on_its_batch(isa):
+    """Each output is one chain of FMAs over k, whatever the rows beside it: bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 200, generator=g)
+    panels = OPS.pack_panels(weight)
+    x = torch.randn(37, 200, generator=g)
+    batch = torch.empty(37, 48)
+    OPS.panel_linear(batch, x, panels, None, isa)
+    for r in (0, 11, 12, 36):
+        alone = torch.empty(1, 48)
+        OPS.panel_linear(alone, x[r:r + 1].contiguous(), panels, None, isa)
+        assert torch.equal(alone[0], batch[r])
+
+
+@needs_kernels
+def test_panel_linear_refuses_what_it_cannot_run():
+    panels = OPS.pack_panels(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        OPS.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        OPS.panel_linear(torch.empty(4, 32), torch.randn(8, 4).t(), panels, None)
+    with pytest.raises(RuntimeError, match="y must be"):
+        OPS.panel_linear(torch.empty(4, 16), torch.randn(4, 8), panels, None)
+
+
+@needs_kernels
+@needs_packing
+def test_float32_goes_to_panels_where_it_can_and_to_onednn_elsewhere():
+    model = nn.ModuleDict({
+        "f32": nn.Linear(16, 32), "f32_odd": nn.Linear(16, 10), "bf16": nn.Linear(16, 32).to(torch.bfloat16),
+    })
+    x = torch.randn(3, 16)
+    want = model["f32"](x)
+    assert pack_linear_layers(model, OPS) == 2 + BF16_PACKS
+    assert isinstance(model["f32"], PanelLinear) and isinstance(model["f32_odd"], PackedLinear)
+    assert isinstance(model["bf16"], PackedLinear) == BF16_PACKS
+    assert torch.allclose(model["f32"](x.unsqueeze(0)), want.unsqueeze(0), rtol=1e-5, atol=1e-5)  # any leading dims
+    assert model["f32"].weight.shape == (32, 16)
+
+
 @needs_bf16
 def test_bfloat16_worker_runs_packed_and_follows_the_float32_model(tiny_model_path):
     """The bf16 worker (packed bf16 linears, bf16 pool) against transformers in float32:
@@ -92,3 +159,12 @@ def test_bfloat16_worker_runs_packed_and_follows_the_float32_model(tiny_model_pa
         assert gap < 0.1, f"request {i} diverged at token {pos} where float32's top-2 gap is {gap:.3g}"
         equal_prefix.append(pos)
     assert sum(equal_prefix) >= len(ps) * 16 // 2, f"bf16 followed float32 for only {equal_prefix} tokens"
+
+
+@needs_kernels
+def test_the_default_worker_runs_its_float32_linears_on_panels(tiny_model_path):
+    w = make_worker(tiny_model_path)
+    kinds = {type(m).__name__ for m in w._runner.model.modules()}
+    assert "PanelLinear" in kinds
+    off = make_worker(tiny_model_path, cpu_panel_linear=False)
+    assert "PanelLinear" not in {type(m).__name__ for m in off._runner.model.modules()}

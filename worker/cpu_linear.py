@@ -1,10 +1,22 @@
-"""Prepacked oneDNN weights for the model's linear layers on CPU.
+"""Prepacked weights for the model's linear layers on CPU.
 
-``F.linear`` on CPU re-reads a row-major weight for every call; torch's own oneDNN
-linear with the weight reordered once into its blocked layout (what inductor's
-"freezing" does) runs the same float32 matmul 2-3.5x faster at 1-64 rows on this
-machine (``tests/bench/worker_step.py`` prints the per-shape numbers). Results equal
-``F.linear`` up to float32 rounding (summation order).
+``F.linear`` on CPU re-reads a row-major weight for every call; a weight reordered once
+into a layout its kernel streams runs the same matmul faster. Two packings:
+
+- float32: column panels (``PanelLinear``, ``worker/panel_linear.cpp``): each run of 16
+  output columns stored as one contiguous ``[K, 16]`` block, read once per block of up
+  to 12 rows with every weight vector feeding those rows' FMAs from registers. At
+  decode sizes a step is bound by reading the weights: SmolLM2's 30 layers and LM head
+  take 27-30 ms at one row against 44 ms through oneDNN's packed linear, 41 against 53
+  at 8 rows, 106 against 121 at 64, within 3% of it at 256-512 (prefill chunks). Each
+  output is one chain of FMAs over k in order, so a row's result does not depend on the
+  batch it is in. Needs the CPU kernels (``worker/paged_attention.py`` builds them) and
+  output sizes that are multiples of 16; otherwise oneDNN's packing serves.
+- oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
+  into its blocked layout (what inductor's "freezing" does), 2-3.5x ``F.linear`` at 1-64
+  rows in float32 on this project's machines (``tests/bench/worker_step.py``).
+
+Results equal ``F.linear`` up to float32 rounding (summation order).
 
 bfloat16 weights are packed too where oneDNN has a native bf16 matmul (AVX512-BF16 or
 AMX: ``packable_dtypes``): there the packed bf16 linear runs about twice the float32
@@ -21,6 +33,8 @@ exist once and the transformers forward still runs.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +78,36 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PanelLinear(nn.Module):
+    """A frozen float32 ``nn.Linear`` whose weight lives in column panels
+    ``[out / 16, in, 16]``, run by the CPU kernel ``ops.panel_linear``."""
+
+    def __init__(self, linear: nn.Linear, ops: Any) -> None:
+        super().__init__()
+        self.ops = ops
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.panels = ops.pack_panels(linear.weight.detach().contiguous())
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:  # for code that reads shapes and dtype off a linear
+        return torch.empty(self.out_features, self.in_features, dtype=self.panels.dtype, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        self.ops.panel_linear(out, rows, self.panels, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def applies(linear: nn.Linear, ops: Any | None) -> bool:
+        return (ops is not None and hasattr(ops, "panel_linear") and linear.weight.dtype == torch.float32
+                and linear.weight.device.type == "cpu" and linear.out_features % 16 == 0)
 
 
 class LinearSlice(nn.Module):
@@ -119,13 +163,14 @@ def _first_of_each_dtype(targets: list[tuple[nn.Module, str, nn.Linear]]) -> lis
     return list(first.values())
 
 
-def _packs_correctly(probe: nn.Linear) -> bool:
-    """Whether the packed op gives ``F.linear``'s answer for ``probe``."""
+def _packs_correctly(probe: nn.Linear, pack: Any = None) -> bool:
+    """Whether the packed op (``pack(probe)``, oneDNN's by default) gives
+    ``F.linear``'s answer for ``probe``."""
     dtype = probe.weight.dtype
     x = torch.randn(3, probe.in_features).to(dtype)
     rtol, atol = PACK_CHECK_TOLERANCE[dtype]
     try:
-        got = PackedLinear(probe)(x)
+        got = (pack or PackedLinear)(probe)(x)
     except RuntimeError:
         return False
     want = F.linear(x, probe.weight, probe.bias)
@@ -146,24 +191,30 @@ def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     return merged, [p.out_features for p in parts]
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Swaps every CPU ``nn.Linear`` of ``model`` whose dtype this CPU packs
-    (``packable_dtypes``) for a ``PackedLinear`` (inference only; a merged linear shared
-    by its slices is packed once); returns how many it packed. Checks the first one of
-    each dtype against ``F.linear`` and leaves the model untouched if the op misbehaves."""
+def pack_linear_layers(model: nn.Module, panel_ops: Any = None) -> int:
+    """Swaps every CPU ``nn.Linear`` of ``model`` for a packed one (inference only; a
+    merged linear shared by its slices is packed once): a ``PanelLinear`` where
+    ``panel_ops`` (the CPU kernels) can run it, else a ``PackedLinear`` where this CPU
+    packs its dtype (``packable_dtypes``). Returns how many it packed. The first one of
+    each kind and dtype is checked against ``F.linear``; a kind that misbehaves is not
+    used (the layers stay as they are, or get the other kind)."""
     dtypes = packable_dtypes()
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype in dtypes
-        and child.weight.device.type == "cpu"
+        if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
-    if not targets or not all(_packs_correctly(probe) for probe in _first_of_each_dtype(targets)):
-        return 0
-    packed_by_id: dict[int, PackedLinear] = {}  # a merged linear is a child of each of its slices
-    for parent, name, child in targets:
+    panel = [t for t in targets if PanelLinear.applies(t[2], panel_ops)]
+    if panel and not _packs_correctly(panel[0][2], lambda lin: PanelLinear(lin, panel_ops)):
+        panel = []
+    panel_ids = {id(t[2]) for t in panel}
+    onednn = [t for t in targets if id(t[2]) not in panel_ids and t[2].weight.dtype in dtypes]
+    if onednn and not all(_packs_correctly(probe) for probe in _first_of_each_dtype(onednn)):
+        onednn = []
+    packed_by_id: dict[int, nn.Module] = {}  # a merged linear is a child of each of its slices
+    for parent, name, child in panel + onednn:
         if id(child) not in packed_by_id:
-            packed_by_id[id(child)] = PackedLinear(child)
+            packed_by_id[id(child)] = PanelLinear(child, panel_ops) if id(child) in panel_ids else PackedLinear(child)
         setattr(parent, name, packed_by_id[id(child)])
     return len(packed_by_id)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.cpu_linear import LinearSlice, PackedLinear, merge_linears, merged_parts
+from worker.cpu_linear import LinearSlice, PackedLinear, PanelLinear, merge_linears, merged_parts
 from worker.kv_cache import AttentionPlan, attend_cached
 
 logger = logging.getLogger("raydecode")
@@ -53,6 +53,10 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    if isinstance(layer, PanelLinear):
+        out = torch.empty(x.shape[0], layer.out_features, dtype=torch.float32)
+        layer.ops.panel_linear(out, x if x.is_contiguous() else x.contiguous(), layer.panels, layer.bias)
+        return out
     if isinstance(layer, PackedLinear):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
     return F.linear(x, layer.weight, layer.bias)
@@ -210,7 +214,7 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(not isinstance(p, (nn.Linear, PackedLinear, LinearSlice)) for p in projections):
+        if any(not isinstance(p, (nn.Linear, PackedLinear, PanelLinear, LinearSlice)) for p in projections):
             return "a layer's projections are not plain linear layers"
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):

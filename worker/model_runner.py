@@ -78,7 +78,12 @@ class ModelRunner:
                 fused_ops = None
         self.num_packed_linear = 0
         if self.device.type == "cpu" and config.cpu_packed_linear:
-            self.num_packed_linear = pack_linear_layers(self.model)
+            panel_ops = None
+            if config.cpu_panel_linear:
+                from worker.paged_attention import load as load_cpu_kernels
+
+                panel_ops = load_cpu_kernels()
+            self.num_packed_linear = pack_linear_layers(self.model, panel_ops)
         hf = self.model.config
         try:
             check_attention_features(hf)

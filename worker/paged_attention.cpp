@@ -653,8 +653,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
 }
 
 void register_layer_ops(pybind11::module_& m);  // layer_ops.cpp
+void register_panel_linear(pybind11::module_& m);  // panel_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention for short queries (CPU)");
   register_layer_ops(m);
+  register_panel_linear(m);
 }

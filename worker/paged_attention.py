@@ -11,7 +11,9 @@ pre-paged cache gave it); SmolLM2's whole decode step at batch 64, ~336 deep, we
 ~500 ms with the dense cache to ~400 ms (``tests/bench/paged_attention.py``).
 
 The same extension carries the fused layer ops (``layer_ops.cpp``: RMSNorm with the
-residual add, rotary into the pool, SiLU-mul) that ``worker/fused_decoder.py`` runs.
+residual add, rotary into the pool, SiLU-mul) that ``worker/fused_decoder.py`` runs, and
+the float32 linear over column-panel weights (``panel_linear.cpp``) that
+``worker/cpu_linear.py`` packs for.
 
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` into
 ``$RAYDECODE_CACHE/kernels`` (``make setup`` does it ahead: ``python -m
@@ -35,7 +37,7 @@ logger = logging.getLogger("raydecode")
 
 #: The extension's sources: the kernel (it defines the module) and the fused layer ops
 #: of ``worker/fused_decoder.py``; HEADERS count for the build's identity too.
-SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 

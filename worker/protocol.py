@@ -104,6 +104,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     reasoning_end: str | None = None
     #: CPU only: run linear layers with prepacked oneDNN weights (worker/cpu_linear.py).
     cpu_packed_linear: bool = True
+    #: CPU only, with ``cpu_packed_linear``: float32 linears over column-panel weights
+    #: (worker/panel_linear.cpp); off: oneDNN's packed linear for them too
+    cpu_panel_linear: bool = True
     #: CPU only: decode attention with the paged kernel (worker/paged_attention.cpp);
     #: off, or where it cannot be built: the torch path (gather + SDPA)
     cpu_attention_kernel: bool = True

@@ -328,10 +328,26 @@ def peer_request(r: Req, seeded: bool) -> dict[str, Any]:
 # -- offline --------------------------------------------------------------------------
 
 
+#: extra EngineConfig settings for ours (``--ours-engine``: an A/B of one setting)
+OURS_EXTRA: dict[str, Any] = {}
+
+
 def ours_engine_kwargs() -> dict[str, Any]:
     return {"num_workers": 1, "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
-            "kv_cache_memory_bytes": KV_GIB * 2**30, "kv_cache_prefault": True, "dtype": DTYPE}
+            "kv_cache_memory_bytes": KV_GIB * 2**30, "kv_cache_prefault": True, "dtype": DTYPE, **OURS_EXTRA}
+
+
+def extra_flags() -> list[str]:
+    """``OURS_EXTRA`` as ``raydecode serve`` flags (booleans as --x / --no-x)."""
+    flags = []
+    for key, value in OURS_EXTRA.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def offline_ours(model_dir: str, warm: list[Req], workloads: dict[str, list[Req]]) -> tuple[float, dict[str, Figures]]:
@@ -415,7 +431,8 @@ def ours_server_cmd(model_dir: str, port: int) -> list[str]:
             "--served-model-name", DEFAULT_MODEL_NAME, "--num-workers", "1",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--kv-cache-prefault", "--dtype", DTYPE]
+            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--kv-cache-prefault", "--dtype", DTYPE,
+            *extra_flags()]
 
 
 def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
@@ -576,6 +593,8 @@ def parse_args() -> argparse.Namespace:
                     help="give vLLM's sampled offline requests their seeds too (crashes vLLM 0.32 CPU; to check a fix)")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds the vLLM offline run may take")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
+    ap.add_argument("--ours-engine", type=json.loads, default={}, metavar="JSON",
+                    help='extra EngineConfig settings for ours, e.g. \'{"cpu_panel_linear": false}\' (an A/B)')
     args = ap.parse_args()
     phases: list[str] = []
     for item in args.only or [",".join(PHASES)]:
@@ -598,6 +617,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     global DTYPE
     args = parse_args()
+    OURS_EXTRA.update(args.ours_engine)
     DTYPE = args.dtype
     trap_sigterm()
     load_at_start = os.getloadavg()[0]

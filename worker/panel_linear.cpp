@@ -1,0 +1,238 @@
+// Float32 linear layers on CPU over weights packed in column panels:
+//   y [M, N] = x [M, K] @ W^T (+ bias),  W [N, K] packed as panels [N / 16, K, 16]
+// (panel p holds columns 16p .. 16p + 15, one row of 16 per k: pack_panels below).
+//
+// Why: at decode sizes (1 to a few dozen rows) a step is bound by reading the weights,
+// and oneDNN's packed linear read them at ~2/3 of what this VM streams (SmolLM2's 30
+// layers + LM head at one row: 44 ms against 27-30 ms here). A panel is one contiguous
+// run, read once per block of up to 12 rows: each weight vector feeds 12 FMAs from
+// registers (two panels at once: 24 accumulators of 16 lanes, AVX-512), the rows'
+// inputs broadcast from L1. More rows take the same panel again from L2. The same
+// kernel stays within a few percent of oneDNN at 256-512 rows (prefill chunks), so the
+// weights are packed once, this way.
+//
+// Each output is one chain of FMAs over k in order, whatever M, the thread count or the
+// row's neighbours: a row's result does not depend on the batch it is in.
+//
+// Instruction sets: AVX-512F (two panels per pass), AVX2 + FMA (one panel per pass,
+// 6 rows: 12 accumulators), picked at run time; plain loops elsewhere.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define RAYDECODE_X86 1
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t PANEL = 16;
+
+struct Args {
+  const float* x;     // [M, K] row-major
+  const float* w;     // panels [P, K, 16]
+  const float* bias;  // [N] or null
+  float* y;           // [M, N] row-major
+  int64_t M, K, N;
+};
+
+#ifdef RAYDECODE_X86
+// Rows m0 .. m0 + MR of panels p and p + 1 (np = 1 or 2 of them).
+template <int MR>
+__attribute__((target("avx512f,fma"))) void block_avx512(const Args& a, int64_t m0, int64_t p, int np) {
+  __m512 acc0[MR], acc1[MR];
+  for (int m = 0; m < MR; ++m) {
+    acc0[m] = _mm512_setzero_ps();
+    acc1[m] = _mm512_setzero_ps();
+  }
+  const int64_t K = a.K;
+  const float* w0 = a.w + p * K * PANEL;
+  const float* w1 = w0 + K * PANEL;
+  const float* x = a.x + m0 * K;
+  if (np == 2) {
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 wa = _mm512_loadu_ps(w0 + k * PANEL);
+      const __m512 wb = _mm512_loadu_ps(w1 + k * PANEL);
+#pragma GCC unroll 12
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+        acc0[m] = _mm512_fmadd_ps(xv, wa, acc0[m]);
+        acc1[m] = _mm512_fmadd_ps(xv, wb, acc1[m]);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 wa = _mm512_loadu_ps(w0 + k * PANEL);
+#pragma GCC unroll 12
+      for (int m = 0; m < MR; ++m) acc0[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wa, acc0[m]);
+    }
+  }
+  const float* b = a.bias ? a.bias + p * PANEL : nullptr;
+  const __m512 b0 = b ? _mm512_loadu_ps(b) : _mm512_setzero_ps();
+  const __m512 b1 = (b && np == 2) ? _mm512_loadu_ps(b + PANEL) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    float* y = a.y + (m0 + m) * a.N + p * PANEL;
+    _mm512_storeu_ps(y, _mm512_add_ps(acc0[m], b0));
+    if (np == 2) _mm512_storeu_ps(y + PANEL, _mm512_add_ps(acc1[m], b1));
+  }
+}
+
+// Rows m0 .. m0 + MR of panel p (16 columns: two 8-lane halves).
+template <int MR>
+__attribute__((target("avx2,fma"))) void block_avx2(const Args& a, int64_t m0, int64_t p) {
+  __m256 lo[MR], hi[MR];
+  for (int m = 0; m < MR; ++m) {
+    lo[m] = _mm256_setzero_ps();
+    hi[m] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K;
+  const float* w = a.w + p * K * PANEL;
+  const float* x = a.x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 wl = _mm256_loadu_ps(w + k * PANEL);
+    const __m256 wh = _mm256_loadu_ps(w + k * PANEL + 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+      lo[m] = _mm256_fmadd_ps(xv, wl, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xv, wh, hi[m]);
+    }
+  }
+  const float* b = a.bias ? a.bias + p * PANEL : nullptr;
+  const __m256 bl = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
+  const __m256 bh = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    float* y = a.y + (m0 + m) * a.N + p * PANEL;
+    _mm256_storeu_ps(y, _mm256_add_ps(lo[m], bl));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(hi[m], bh));
+  }
+}
+
+using Avx512Block = void (*)(const Args&, int64_t, int64_t, int);
+using Avx2Block = void (*)(const Args&, int64_t, int64_t);
+constexpr int AVX512_ROWS = 12;  // 24 accumulators + 2 weight vectors + a broadcast of 32 registers
+constexpr int AVX2_ROWS = 6;     // 12 accumulators + 2 + 1 of 16
+const Avx512Block AVX512_BLOCKS[AVX512_ROWS + 1] = {
+    nullptr, block_avx512<1>, block_avx512<2>, block_avx512<3>, block_avx512<4>, block_avx512<5>, block_avx512<6>,
+    block_avx512<7>, block_avx512<8>, block_avx512<9>, block_avx512<10>, block_avx512<11>, block_avx512<12>};
+const Avx2Block AVX2_BLOCKS[AVX2_ROWS + 1] = {nullptr,         block_avx2<1>, block_avx2<2>, block_avx2<3>,
+                                              block_avx2<4>, block_avx2<5>, block_avx2<6>};
+#endif
+
+// Rows m0 .. m0 + rows of panel p, plain loops.
+void block_plain(const Args& a, int64_t m0, int64_t rows, int64_t p) {
+  const int64_t K = a.K;
+  const float* w = a.w + p * K * PANEL;
+  for (int64_t m = m0; m < m0 + rows; ++m) {
+    float acc[PANEL] = {};
+    const float* x = a.x + m * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < PANEL; ++j) acc[j] += x[k] * w[k * PANEL + j];
+    float* y = a.y + m * a.N + p * PANEL;
+    for (int64_t j = 0; j < PANEL; ++j) y[j] = acc[j] + (a.bias ? a.bias[p * PANEL + j] : 0.0f);
+  }
+}
+
+enum class Isa { kAvx512, kAvx2, kPlain };
+
+Isa best_isa() {
+#ifdef RAYDECODE_X86
+  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
+                         : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? Isa::kAvx2
+                                                                                             : Isa::kPlain;
+  return isa;
+#else
+  return Isa::kPlain;
+#endif
+}
+
+// The panels of one unit of work: a pair of panels under AVX-512, one panel otherwise.
+int64_t panels_per_unit(Isa isa) { return isa == Isa::kAvx512 ? 2 : 1; }
+
+void run_unit(const Args& a, Isa isa, int64_t unit) {
+  const int64_t P = a.N / PANEL;
+  switch (isa) {
+#ifdef RAYDECODE_X86
+    case Isa::kAvx512: {
+      const int64_t p = unit * 2;
+      const int np = p + 1 < P ? 2 : 1;
+      for (int64_t m0 = 0; m0 < a.M; m0 += AVX512_ROWS)
+        AVX512_BLOCKS[std::min<int64_t>(AVX512_ROWS, a.M - m0)](a, m0, p, np);
+      return;
+    }
+    case Isa::kAvx2:
+      for (int64_t m0 = 0; m0 < a.M; m0 += AVX2_ROWS) AVX2_BLOCKS[std::min<int64_t>(AVX2_ROWS, a.M - m0)](a, m0, unit);
+      return;
+#endif
+    default:
+      block_plain(a, 0, a.M, unit);
+  }
+}
+
+void check(const torch::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == dims,
+              "panel_linear: ", name, " must be a contiguous float32 CPU tensor of ", dims, " dimensions");
+}
+
+}  // namespace
+
+std::vector<std::string> panel_isas() {
+  std::vector<std::string> out;
+#ifdef RAYDECODE_X86
+  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
+#endif
+  out.push_back("plain");
+  return out;
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias) with W packed by pack_panels. ``isa`` forces an
+// instruction set this CPU has ("avx512", "avx2", "plain": tests); "" picks the best.
+void panel_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& panels,
+                  const c10::optional<torch::Tensor>& bias, const std::string& isa_name) {
+  check(y, "y", 2);
+  check(x, "x", 2);
+  check(panels, "panels", 3);
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * PANEL;
+  TORCH_CHECK(panels.size(1) == K && panels.size(2) == PANEL, "panel_linear: panels must be [N / 16, K, 16]");
+  TORCH_CHECK(y.size(0) == M && y.size(1) == N, "panel_linear: y must be [M, N]");
+  if (bias.has_value()) {
+    check(*bias, "bias", 1);
+    TORCH_CHECK(bias->size(0) == N, "panel_linear: bias must have N entries");
+  }
+  if (M == 0 || N == 0) return;
+  const Args a{x.data_ptr<float>(), panels.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), M, K, N};
+  Isa isa = best_isa();
+  if (!isa_name.empty()) {
+    const auto have = panel_isas();
+    TORCH_CHECK(std::find(have.begin(), have.end(), isa_name) != have.end(), "panel_linear: this CPU has no ", isa_name);
+    isa = isa_name == "avx512" ? Isa::kAvx512 : isa_name == "avx2" ? Isa::kAvx2 : Isa::kPlain;
+  }
+  const int64_t per = panels_per_unit(isa);
+  const int64_t units = (P + per - 1) / per;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) run_unit(a, isa, unit);
+  });
+}
+
+// W [N, K] (N a multiple of 16) -> panels [N / 16, K, 16].
+torch::Tensor pack_panels(const torch::Tensor& weight) {
+  check(weight, "weight", 2);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % PANEL == 0, "pack_panels: the output features (", N, ") must be a multiple of 16");
+  return weight.view({N / PANEL, PANEL, K}).transpose(1, 2).contiguous();
+}
+
+void register_panel_linear(pybind11::module_& m) {
+  m.def("panel_linear", &panel_linear, "float32 linear over column-panel weights (CPU)", pybind11::arg("y"),
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("isa") = "");
+  m.def("panel_isas", &panel_isas, "the instruction sets panel_linear can use here, best first");
+  m.def("pack_panels", &pack_panels, "W [N, K] -> panels [N / 16, K, 16]");
+}
