@@ -168,3 +168,57 @@ def test_the_default_worker_runs_its_float32_linears_on_panels(tiny_model_path):
     assert "PanelLinear" in kinds
     off = make_worker(tiny_model_path, cpu_panel_linear=False)
     assert "PanelLinear" not in {type(m).__name__ for m in off._runner.model.modules()}
+
+
+@needs_kernels
+@needs_packing
+def test_panels_hand_prefill_sized_calls_to_their_onednn_copy():
+    """With ``onednn_from_rows``, calls of that many rows or more run on oneDNN's copy
+    (what a prefill chunk gets), smaller ones on the panels; both give the product.
+    The output embedding keeps one copy (only sampled rows reach it)."""
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 48)
+    hybrid = PanelLinear(linear, OPS, onednn_from_rows=8)
+    assert hybrid.packed is not None and PanelLinear(linear, OPS).packed is None
+    for rows in (1, 7, 8, 33):
+        x = torch.randn(rows, 64)
+        want = (x.double() @ linear.weight.detach().double().t() + linear.bias.detach().double()).float()
+        got = hybrid(x)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), rows
+        # below the threshold the panels ran, at or above it oneDNN did: bit for bit
+        if rows < 8:
+            ran = torch.empty(rows, 48)
+            OPS.panel_linear(ran, x, hybrid.panels, hybrid.bias)
+        else:
+            ran = torch.ops.mkldnn._linear_pointwise(x, hybrid.packed, hybrid.bias, "none", [], "")
+        assert torch.equal(got, ran), rows
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 32)
+            self.head = nn.Linear(16, 64, bias=False)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    model = Tiny()
+    pack_linear_layers(model, OPS, onednn_from_rows=4)
+    assert model.proj.packed is not None and model.head.packed is None
+    pack_free = Tiny()
+    pack_linear_layers(pack_free, OPS)
+    assert pack_free.proj.packed is None
+
+
+@needs_kernels
+def test_the_worker_threshold_reaches_the_linears_and_is_validated(tiny_model_path):
+    from cluster.config import EngineConfig
+
+    on = make_worker(tiny_model_path, cpu_onednn_from_rows=100)
+    panels = [m for m in on._runner.model.modules() if isinstance(m, PanelLinear)]
+    with_copy = [m for m in panels if m.packed is not None]
+    assert with_copy and all(m.onednn_from_rows == 100 for m in with_copy)
+    off = make_worker(tiny_model_path, cpu_onednn_from_rows=0)
+    assert all(m.packed is None for m in off._runner.model.modules() if isinstance(m, PanelLinear))
+    with pytest.raises(ValueError, match="cpu_onednn_from_rows"):
+        EngineConfig(cpu_onednn_from_rows=-1)

@@ -8,10 +8,12 @@ into a layout its kernel streams runs the same matmul faster. Two packings:
   to 12 rows with every weight vector feeding those rows' FMAs from registers. At
   decode sizes a step is bound by reading the weights: SmolLM2's 30 layers and LM head
   take 27-30 ms at one row against 44 ms through oneDNN's packed linear, 41 against 53
-  at 8 rows, 106 against 121 at 64, within 3% of it at 256-512 (prefill chunks). Each
-  output is one chain of FMAs over k in order, so a row's result does not depend on the
-  batch it is in. Needs the CPU kernels (``worker/paged_attention.py`` builds them) and
-  output sizes that are multiples of 16; otherwise oneDNN's packing serves.
+  at 8 rows, 106 against 121 at 64, but 2-7% behind it at 192-512 (prefill chunks,
+  bound by the FMA units): calls of ``onednn_from_rows`` rows or more run on oneDNN's
+  packed copy, kept beside the panels. Each panel output is one chain of FMAs over k
+  in order, so a row's result does not depend on the batch it is in. Needs the CPU
+  kernels (``worker/paged_attention.py`` builds them) and output sizes that are
+  multiples of 16; otherwise oneDNN's packing serves.
 - oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
   into its blocked layout (what inductor's "freezing" does), 2-3.5x ``F.linear`` at 1-64
   rows in float32 on this project's machines (``tests/bench/worker_step.py``).
@@ -82,15 +84,30 @@ class PackedLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """A frozen float32 ``nn.Linear`` whose weight lives in column panels
-    ``[out / 16, in, 16]``, run by the CPU kernel ``ops.panel_linear``."""
+    ``[out / 16, in, 16]``, run by the CPU kernel ``ops.panel_linear``.
 
-    def __init__(self, linear: nn.Linear, ops: Any) -> None:
+    With ``onednn_from_rows`` > 0 it also keeps oneDNN's packed copy of the weight and
+    runs calls of at least that many rows (prefill chunks) there: the panels are ahead
+    while reading the weights bounds a call, oneDNN by 4-7% where the FMA units do
+    (``tests/bench/panel_linear.py``)."""
+
+    def __init__(self, linear: nn.Linear, ops: Any, onednn_from_rows: int = 0) -> None:
         super().__init__()
         self.ops = ops
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.panels = ops.pack_panels(linear.weight.detach().contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.onednn_from_rows = onednn_from_rows
+        self.packed = PackedLinear(linear).packed if onednn_from_rows > 0 else None
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [M, in] (contiguous float32) @ W^T + bias."""
+        if self.packed is not None and rows.shape[0] >= self.onednn_from_rows:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        self.ops.panel_linear(out, rows, self.panels, self.bias)
+        return out
 
     @property
     def weight(self) -> torch.Tensor:  # for code that reads shapes and dtype off a linear
@@ -100,9 +117,7 @@ class PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self.ops.panel_linear(out, rows, self.panels, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return self.matmul(rows).view(*x.shape[:-1], self.out_features)
 
     @staticmethod
     def applies(linear: nn.Linear, ops: Any | None) -> bool:
@@ -191,13 +206,15 @@ def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     return merged, [p.out_features for p in parts]
 
 
-def pack_linear_layers(model: nn.Module, panel_ops: Any = None) -> int:
+def pack_linear_layers(model: nn.Module, panel_ops: Any = None, onednn_from_rows: int = 0) -> int:
     """Swaps every CPU ``nn.Linear`` of ``model`` for a packed one (inference only; a
     merged linear shared by its slices is packed once): a ``PanelLinear`` where
     ``panel_ops`` (the CPU kernels) can run it, else a ``PackedLinear`` where this CPU
     packs its dtype (``packable_dtypes``). Returns how many it packed. The first one of
     each kind and dtype is checked against ``F.linear``; a kind that misbehaves is not
-    used (the layers stay as they are, or get the other kind)."""
+    used (the layers stay as they are, or get the other kind). ``onednn_from_rows``
+    (> 0): panel linears keep oneDNN's copy too, for calls of that many rows or more
+    (not the output embedding: only sampled rows reach it)."""
     dtypes = packable_dtypes()
     targets = [
         (parent, name, child)
@@ -209,12 +226,20 @@ def pack_linear_layers(model: nn.Module, panel_ops: Any = None) -> int:
     if panel and not _packs_correctly(panel[0][2], lambda lin: PanelLinear(lin, panel_ops)):
         panel = []
     panel_ids = {id(t[2]) for t in panel}
+    if panel and onednn_from_rows > 0 and not (
+            torch.float32 in dtypes and _packs_correctly(panel[0][2])):
+        onednn_from_rows = 0  # no working float32 oneDNN packing here: panels at every size
+    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     onednn = [t for t in targets if id(t[2]) not in panel_ids and t[2].weight.dtype in dtypes]
     if onednn and not all(_packs_correctly(probe) for probe in _first_of_each_dtype(onednn)):
         onednn = []
     packed_by_id: dict[int, nn.Module] = {}  # a merged linear is a child of each of its slices
     for parent, name, child in panel + onednn:
         if id(child) not in packed_by_id:
-            packed_by_id[id(child)] = PanelLinear(child, panel_ops) if id(child) in panel_ids else PackedLinear(child)
+            if id(child) in panel_ids:
+                rows = 0 if child is output_embedding else onednn_from_rows
+                packed_by_id[id(child)] = PanelLinear(child, panel_ops, rows)
+            else:
+                packed_by_id[id(child)] = PackedLinear(child)
         setattr(parent, name, packed_by_id[id(child)])
     return len(packed_by_id)

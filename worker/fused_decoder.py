@@ -54,9 +54,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     if isinstance(layer, PanelLinear):
-        out = torch.empty(x.shape[0], layer.out_features, dtype=torch.float32)
-        layer.ops.panel_linear(out, x if x.is_contiguous() else x.contiguous(), layer.panels, layer.bias)
-        return out
+        return layer.matmul(x if x.is_contiguous() else x.contiguous())
     if isinstance(layer, PackedLinear):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
     return F.linear(x, layer.weight, layer.bias)

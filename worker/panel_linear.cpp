@@ -7,9 +7,9 @@
 // layers + LM head at one row: 44 ms against 27-30 ms here). A panel is one contiguous
 // run, read once per block of up to 12 rows: each weight vector feeds 12 FMAs from
 // registers (two panels at once: 24 accumulators of 16 lanes, AVX-512), the rows'
-// inputs broadcast from L1. More rows take the same panel again from L2. The same
-// kernel stays within a few percent of oneDNN at 256-512 rows (prefill chunks), so the
-// weights are packed once, this way.
+// inputs broadcast from L1. More rows take the same panel again from L2. At 192-512
+// rows (prefill chunks) the FMA units bound the call and oneDNN is 2-7% ahead, so the
+// engine runs those calls on oneDNN's copy (worker/cpu_linear.py, onednn_from_rows).
 //
 // Each output is one chain of FMAs over k in order, whatever M, the thread count or the
 // row's neighbours: a row's result does not depend on the batch it is in.
