@@ -204,7 +204,7 @@ class LLMEngine:
             try:
                 ray.get(ref, timeout=0 if not ready else self.config.ray_call_timeout_s)
             except RayError as exc:
-                if slot.inflight is None or slot.channel is not None:  # else the step in flight reports it
+                if probe:  # else the step in flight reports it
                     state = "idle" if slot.inflight is None else "running a step"
                     self._step_failed(slot, slot.step, f"worker {slot.index} was lost while {state} ({type(exc).__name__})", lost=True)
 

@@ -99,8 +99,7 @@ class Worker:
         is closed); its steps run until the next reset."""
         if self._compute is None:
             raise RuntimeError("this worker was started without a compute thread (step_channel off)")
-        if self._channel is not None:
-            self._channel.close()
+        self._close_channel()
         generation = self._generation
         self._channel = StepChannelServer(
             lambda conn: self._compute.attach(conn, lambda m: self._channel_step(m, generation)), channel_host()
@@ -140,10 +139,13 @@ class Worker:
         """Forgets every request; the model stays loaded. It closes the step channel:
         a step still queued there must not run on the reset batch (the engine opens a
         new one)."""
+        self._close_channel()
+        self._run(self._reset)
+
+    def _close_channel(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        self._run(self._reset)
 
     def _reset(self) -> None:
         self._generation += 1

@@ -2,10 +2,10 @@
 carries the step messages and their replies (the same msgspec bytes as the actor's
 ``step`` method), instead of one Ray task call per step.
 
-Why: a Ray actor call costs this project's 2-core machine ~3 ms of latency and ~3.5 ms
-of CPU per step (the caller's and the actor's task machinery, several thread hand-offs
-each way), against ~0.03 ms and a fraction of that CPU for a socket round trip
-(``tests/bench/step_channel.py``). At one stream a decode step is ~50 ms, so that is
+Why: a Ray actor call costs this project's 2-core machine 1.4 ms of latency idle (~3
+ms under load) and 8.7% of a core at 20 steps a second (the caller's and the actor's
+task machinery, several thread hand-offs each way), against 0.05 ms and 1.6% for a
+socket round trip (``tests/bench/step_split.py``). At one stream a decode step is ~50 ms, so that is
 6-7% of every token; the CPU comes out of the worker's own two cores. Ray's Compiled
 Graphs would cut the latency too, but their shared-memory reader spins: it kept a whole
 core busy between steps here. Ray still creates, places, probes, resets and replaces the
@@ -113,9 +113,6 @@ class StepChannel:
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
         self._conn = _connection(sock, key, server=False, handshake_s=connect_timeout_s, send_timeout_s=send_timeout_s)
 
-    def fileno(self) -> int:
-        return self._conn.fileno()
-
     @property
     def connection(self) -> Connection:
         return self._conn
@@ -198,7 +195,7 @@ def shutdown_connection(conn: Connection) -> None:
 
 
 def wait_ready(channels: list[Any], timeout: float) -> list[Any]:
-    """The channels (or anything with ``fileno``) with a reply, or EOF, to read,
+    """The connections (or anything with ``fileno``) with a reply, or EOF, to read,
     waiting at most ``timeout`` seconds for the first."""
     return wait(channels, timeout=max(0.0, timeout))
 
