@@ -7,6 +7,8 @@ Then the whole model: greedy output with the kernel equals the torch path's."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,17 @@ from worker.kv_cache import AttentionPlan, PagedKVCache, _batched_by_gathering
 from worker.paged_attention import CpuPagedKernel, load
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler: the kernel cannot be built here")
+#: the instruction sets the prefill (lanes) path can take on this CPU: each is tested
+ISAS = load().tiled_isas() if load() is not None else []
+
+
+@contextmanager
+def tiled_isa(name: str):
+    load().set_tiled_isa(name)
+    try:
+        yield
+    finally:
+        load().set_tiled_isa("")
 
 
 def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, dtype: torch.dtype,
@@ -53,23 +66,29 @@ def run_kernel(q, cache, plan, scale, softcap, window):
     window=st.sampled_from([None, 1, 5, 24, 300]), softcap=st.sampled_from([None, 5.0]),
     depth=st.sampled_from([70, 700]), max_query=st.sampled_from([6, 16]),
 )
-def test_the_kernel_equals_the_torch_path(seed, rows, kv_heads, group, dim, block, window, softcap, depth, max_query):
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_kernel_equals_the_torch_path(isa, seed, rows, kv_heads, group, dim, block, window, softcap, depth,
+                                          max_query):
     """Single decodes and short query runs (the per-query path) and rows of 16 or more
-    query lanes per KV head (the lanes path: lane counts not a multiple of 8, head dims
-    not a multiple of 4, windows that hide whole tiles from some lanes)."""
+    query lanes per KV head (the lanes path, on each instruction set: lane counts not a
+    multiple of 8 or 16, head dims not a multiple of 4, windows that hide whole tiles
+    from some lanes)."""
     cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32, depth, max_query)
     scale = dim ** -0.5
     want = _batched_by_gathering(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
-    got = run_kernel(q, cache, plan, scale, softcap, window)
+    with tiled_isa(isa):
+        got = run_kernel(q, cache, plan, scale, softcap, window)
     valid = plan.batched_valid
     assert torch.allclose(got[valid], want[valid].float(), atol=2e-5, rtol=1e-4), (got[valid] - want[valid]).abs().max()
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("max_query", [6, 16])
-def test_bfloat16_pools(max_query):
+def test_bfloat16_pools(isa, max_query):
     cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16, depth=600, max_query=max_query)
     want = _batched_by_gathering(q.float(), cache.keys[0].float(), cache.values[0].float(), plan, 0.125, None, None)
-    got = run_kernel(q, cache, plan, 0.125, None, None)
+    with tiled_isa(isa):
+        got = run_kernel(q, cache, plan, 0.125, None, None)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got[plan.batched_valid].float(), want[plan.batched_valid], atol=2e-2, rtol=2e-2)
 
@@ -81,12 +100,14 @@ def test_bfloat16_pools(max_query):
     window=st.sampled_from([None, 7, 200]), softcap=st.sampled_from([None, 5.0]), queries=st.sampled_from([1, 16, 32]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(seed, chunks, decodes, group, block, window, softcap,
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, decodes, group, block, window, softcap,
                                                             queries, dtype):
     """A step with prefill chunks (fresh, and after cached tokens; longer and shorter
     than a kernel row) beside decodes: ``attend_cached`` with the chunks cut into
-    kernel rows against the torch path (gather + SDPA per chunk), windows and softcap
-    included."""
+    kernel rows and the decodes beside them, all read in place from a column view of
+    a merged q/k/v projection (tokens further apart than their heads), against the
+    torch path (gather + SDPA per chunk), windows and softcap included."""
     rng = np.random.default_rng(seed)
     kv_heads, dim = 2, 32
     n_tok = np.array([n for n, _ in chunks] + [1] * decodes)
@@ -104,13 +125,17 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(seed, chunks, decode
     for r, n in enumerate(need):
         table[r, :n] = order[at : at + n]
         at += n
-    q = torch.randn(int(n_tok.sum()), kv_heads * group, dim, generator=g).to(dtype)
+    heads = kv_heads * group
+    qkv = torch.randn(int(n_tok.sum()), (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)  # the fused decoder's layout
+    assert not q.is_contiguous()
     saved, saved_queries = kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES
     try:
         kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES = CpuPagedKernel(load()), queries
         plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
-        assert plan.prefill_rows is not None
-        got = kv_cache.attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
+        assert plan.kernel_rows is not None
+        with tiled_isa(isa):
+            got = kv_cache.attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
         # the reference runs in float32 on the same values: a bf16 torch path rounds its
         # own intermediates and is no more exact than the kernel it would judge
         kv_cache.cpu_kernel = None
@@ -118,7 +143,7 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(seed, chunks, decode
         exact.keys[0].copy_(cache.keys[0].float())
         exact.values[0].copy_(cache.values[0].float())
         plan = AttentionPlan.build(exact, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
-        assert plan.prefill_rows is None
+        assert plan.kernel_rows is None
         want = kv_cache.attend_cached(q.float(), plan, 0, dim ** -0.5, window, softcap)
     finally:
         kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES = saved, saved_queries
@@ -151,3 +176,17 @@ def test_greedy_output_with_the_kernel_equals_the_torch_path(tiny_model_path):
     for rid in torch_path:
         assert with_kernel[rid][0] == torch_path[rid][0]
         assert with_kernel[rid][1] == pytest.approx(torch_path[rid][1], abs=1e-4)
+
+
+def test_the_packed_call_refuses_rows_outside_the_tokens():
+    """A kernel row that names tokens past the packed queries, or keys past its block
+    table, is refused before anything is read (it would read and write out of bounds)."""
+    cache = PagedKVCache(1, 4, 16, 2, 32, torch.float32, torch.device("cpu"))
+    q = torch.randn(10, 4, 32)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    kernel = CpuPagedKernel(load())
+    for start, q_len, kv_len in ((5, 6, 20), (-1, 2, 2), (0, 4, 3), (0, 4, 33)):
+        with pytest.raises(RuntimeError, match="does not fit"):
+            kernel.run_packed(q, cache.keys[0], cache.values[0], table, torch.tensor([kv_len], dtype=torch.int32),
+                              torch.tensor([q_len], dtype=torch.int32), torch.tensor([start], dtype=torch.int32),
+                              0.1, None, None)

@@ -19,9 +19,11 @@ row, its block table and lengths) and
    batched ``scaled_dot_product_attention`` (the device-agnostic reference path: the
    same code runs on CUDA);
 3. attends for long prefill chunks: with the CPU kernel, every chunk cut into runs of
-   ``KERNEL_PREFILL_QUERIES`` queries, all in one kernel call (``KernelRows``: each run
-   reads its row's keys up to its own last query, so a causal chunk's masked half is
-   mostly never computed, and the runs spread over the threads); elsewhere row by row
+   ``KERNEL_PREFILL_QUERIES`` queries and attended in one kernel call with the step's
+   short-query rows (``KernelRows``: each run reads its row's keys up to its own last
+   query, so a causal chunk's masked half is mostly never computed, and the runs
+   spread over the threads; the call reads the packed queries and writes the packed
+   outputs in place, nothing gathered or scattered around it); elsewhere row by row
    (gather the row's blocks, then SDPA).
 
 Sliding windows (Mistral, Qwen2, Gemma's local layers) and logit soft-capping (Gemma 2)
@@ -45,7 +47,7 @@ ATTENTION_NAME = "raydecode_paged"
 #: Queries up to this many tokens per row join the batched attention call.
 BATCHED_QUERY_MAX = 16
 #: With the CPU kernel, prefill chunks are cut into kernel rows of this many queries
-#: (``AttentionPlan.prefill_rows``); 0 keeps them on the gather + SDPA path.
+#: (``AttentionPlan.kernel_rows``); 0 keeps them on the gather + SDPA path.
 KERNEL_PREFILL_QUERIES = 32
 
 #: Config attributes of attention behaviours the paged path does not implement.
@@ -145,34 +147,30 @@ def _int(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class KernelRows:
-    """Prefill chunks as rows of the CPU kernel: each chunk cut into runs of at most
-    ``KERNEL_PREFILL_QUERIES`` queries, a run attending its row's keys up to its own last query (so
-    the causal future of a chunk is never read), all runs in one call, each a task."""
+    """A step's rows as rows of the CPU kernel, attended in one call that reads the
+    packed queries and writes the packed outputs in place: short-query rows as they
+    are, longer ones (prefill chunks) cut into runs of at most ``KERNEL_PREFILL_QUERIES``
+    queries, a run attending its row's keys up to its own last query (so the causal
+    future of a chunk is never read)."""
 
-    index: torch.Tensor  # [R * Q] packed index of each run's queries (pads point at 0)
-    valid: torch.Tensor  # [V] positions in index of the real queries
-    targets: torch.Tensor  # [V] their packed indices (index[valid])
-    block_table: torch.Tensor  # [R, max blocks] int32: the chunk's row's table
-    kv_lens: torch.Tensor  # [R] int32 keys each run attends to (its own last query's)
+    starts: torch.Tensor  # [R] int32 packed index of each kernel row's first query
+    block_table: torch.Tensor  # [R, max blocks] int32: its sequence row's table
+    kv_lens: torch.Tensor  # [R] int32 keys each kernel row attends to (its own last query's)
     query_lens: torch.Tensor  # [R] int32
 
     @classmethod
-    def build(cls, chunks: list[tuple[int, int, int, int]], block_table: np.ndarray, block_size: int, queries: int,
-              device: torch.device) -> "KernelRows":
-        """``chunks``: (row, first packed index, tokens, kv_len after the chunk)."""
-        runs = [(r, s + a, min(queries, n - a), kv_len - n + min(n, a + queries))
-                for r, s, n, kv_len in chunks for a in range(0, n, queries)]
-        rows = np.array([r[0] for r in runs], dtype=np.int64)
-        first = np.array([r[1] for r in runs], dtype=np.int64)
-        q_lens = np.array([r[2] for r in runs], dtype=np.int64)
-        kv_lens = np.array([r[3] for r in runs], dtype=np.int64)
-        qi = np.arange(queries)
-        real = qi[None, :] < q_lens[:, None]
-        index = np.where(real, first[:, None] + qi[None, :], 0).reshape(-1)
-        valid = np.flatnonzero(real.reshape(-1))
-        table = block_table[rows, : -(-int(kv_lens.max()) // block_size)]
-        return cls(index=_long(index, device), valid=_long(valid, device), targets=_long(index[valid], device),
-                   block_table=_int(table, device), kv_lens=_int(kv_lens, device), query_lens=_int(q_lens, device))
+    def build(cls, rows: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, kv_lens: np.ndarray,
+              block_table: np.ndarray, block_size: int, queries: int, device: torch.device) -> "KernelRows":
+        """Sequence row ``rows[i]`` runs ``num_tokens[i]`` packed tokens from
+        ``starts[i]`` on and has ``kv_lens[i]`` keys after them."""
+        runs = -(-num_tokens // queries)
+        of = np.repeat(np.arange(len(rows)), runs)
+        offset = concat_ranges(np.zeros(len(rows), dtype=np.int64), runs) * queries
+        q_lens = np.minimum(queries, num_tokens[of] - offset)
+        run_kv = kv_lens[of] - num_tokens[of] + offset + q_lens
+        table = block_table[rows[of], : -(-int(run_kv.max()) // block_size)]
+        return cls(starts=_int(starts[of] + offset, device), block_table=_int(table, device),
+                   kv_lens=_int(run_kv, device), query_lens=_int(q_lens, device))
 
 
 @dataclass
@@ -201,8 +199,9 @@ class AttentionPlan:
     host_batched_query_lens: np.ndarray
     batched_query_len: int  # Q: the longest query
     prefill: list[PrefillChunk]
-    # The same chunks as CPU-kernel rows, where the kernel is on (else None).
-    prefill_rows: KernelRows | None = None
+    # Where the CPU kernel is on and the step has prefill chunks: every row of the step
+    # as kernel rows (else None; the batched rows and the chunks above serve).
+    kernel_rows: KernelRows | None = None
 
     @classmethod
     def build(
@@ -241,10 +240,10 @@ class AttentionPlan:
             kv_len = int(c + n)
             ids = _long(block_table[r, : -(-kv_len // bs)], device)
             prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, ids))
-        prefill_rows = None
+        kernel_rows = None
         if prefill and cpu_kernel is not None and device.type == "cpu" and KERNEL_PREFILL_QUERIES > 0:
-            prefill_rows = KernelRows.build([(c.row, c.start, c.num_tokens, c.kv_len) for c in prefill], block_table,
-                                            bs, KERNEL_PREFILL_QUERIES, device)
+            kernel_rows = KernelRows.build(rows, starts, num_tokens, num_computed + num_tokens, block_table, bs,
+                                           KERNEL_PREFILL_QUERIES, device)
         as_long = lambda a: _long(a, device)
         as_int = lambda a: _int(a, device)
         return cls(
@@ -264,7 +263,7 @@ class AttentionPlan:
             host_batched_query_lens=b_n,
             batched_query_len=q,
             prefill=prefill,
-            prefill_rows=prefill_rows,
+            kernel_rows=kernel_rows,
         )
 
 
@@ -364,6 +363,10 @@ def attend_cached(
     if plan.num_batched == total and plan.batched_query_len == 1 and on_kernel:
         # Every row a single decode: the packed queries are already the kernel's layout.
         return kernel.run(q_all, k_pool, v_pool, *batched, scale, softcap, window)
+    rows = plan.kernel_rows
+    if rows is not None and on_kernel:  # prefill chunks (and decodes): one call, in place
+        return kernel.run_packed(q_all, k_pool, v_pool, rows.block_table, rows.kv_lens, rows.query_lens, rows.starts,
+                                 scale, softcap, window)
     out = q_all.new_empty(total, heads, dim)
 
     if plan.num_batched:
@@ -375,12 +378,6 @@ def attend_cached(
             o = _batched_by_gathering(q, k_pool, v_pool, plan, scale, softcap, window)
         out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
 
-    runs = plan.prefill_rows
-    if runs is not None and on_kernel:
-        o = kernel.run(q_all.index_select(0, runs.index), k_pool, v_pool, runs.block_table, runs.kv_lens,
-                       runs.query_lens, scale, softcap, window)
-        out.index_copy_(0, runs.targets, o.index_select(0, runs.valid).to(out.dtype))
-        return out
     for chunk in plan.prefill:
         s, n = chunk.start, chunk.num_tokens
         q = q_all[s : s + n].transpose(0, 1).reshape(kv_heads, group * n, dim).unsqueeze(0)

@@ -35,6 +35,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -194,6 +195,15 @@ struct Shapes {
   float scale, softcap;
   const int32_t* kv_lens;  // [B]
   const int32_t* q_lens;  // [B]
+  // Where row b's queries (and outputs) are: rows of the packed [T, HQ, D] tensors from
+  // starts[b] on (paged_attention_packed), or from b * Q (the padded layout: starts null).
+  const int32_t* starts = nullptr;
+  int64_t q_stride = 0;  // elements from one query token to the next in q (HQ * D if dense)
+  int64_t row0(int64_t b) const { return starts ? starts[b] : b * Q; }
+  // Query token j of row b, and its output row.
+  template <typename T>
+  const T* q_at(const T* q, int64_t b, int64_t j) const { return q + (row0(b) + j) * q_stride; }
+  float* out_at(float* out, int64_t b, int64_t j) const { return out + (row0(b) + j) * HQ * D; }
 };
 
 // Positions per tile (whole blocks, about 256): the softmax state is updated once per
@@ -289,7 +299,7 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
   float* s = w.s.data();
   float* corr = w.corr.data();
   for (int64_t j = 0; j < nq; ++j) {
-    const T* src = q + (b * z.Q + j) * HQ * D;
+    const T* src = z.q_at(q, b, j);
     float* dst = qf + j * HQ * D;
     for (int64_t i = 0; i < HQ * D; ++i) dst[i] = to_float(src[i]) * z.scale;
   }
@@ -376,7 +386,7 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    float* dst = out + (b * z.Q) * HQ * D + r * D;
+    float* dst = z.out_at(out, b, 0) + r * D;
     const float* ar = acc + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = ar[d] * inv;
   }
@@ -497,7 +507,7 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
     for (int64_t d = 0; d < D; ++d) std::fill(qt + d * NP + NQ, qt + (d + 1) * NP, 0.f);
     for (int64_t j = 0; j < nq; ++j)
       for (int64_t g = 0; g < G; ++g) {
-        const T* src = q + ((b * z.Q + j) * HQ + h * G + g) * D;
+        const T* src = z.q_at(q, b, j) + (h * G + g) * D;
         float* dst = qt + j * G + g;
         for (int64_t d = 0; d < D; ++d) dst[d * NP] = to_float(src[d]) * z.scale;
       }
@@ -558,12 +568,257 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t i = j * G + g;
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        float* dst = out + ((b * z.Q + j) * HQ + h * G + g) * D;
+        float* dst = z.out_at(out, b, j) + (h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
       }
   }
 }
+
+// ---- The lanes layout on AVX-512: 16 lanes a vector, picked at run time ----
+//
+// The same computation as attend_row_tiled (same tiles, masking, online softmax and
+// results to float rounding), with 16 query lanes a vector and 32 registers: the
+// micro-kernels hold 8 rows x 3 vectors of accumulators (48 lanes), the values pass
+// runs over a whole tile's blocks with its accumulators in registers (scaled by the
+// lanes' corrections as they are loaded, no separate pass), and the causal and window
+// cuts are vector compares. Used where the CPU has AVX-512F (tiled_isa()); the build
+// itself stays x86-64-v3.
+#define RD_AVX512 __attribute__((target("avx512f,fma")))
+
+RD_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.72283f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+constexpr int kRows512 = 8;  // rows (keys or dims) per micro-kernel call
+constexpr int kLanes512 = 3;  // vectors of 16 query lanes per call
+
+// Scores of R keys: s[r, 16c..] = sum_d k[r * D + d] * qt[d * NP + 16c..], d < D.
+template <int R, int CI>
+RD_AVX512 inline void scores16(const float* k, int64_t D, const float* qt, int64_t NP, float* s) {
+  __m512 acc[R][CI];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 bv[CI];
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) bv[c] = _mm512_loadu_ps(qt + d * NP + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(k[r * D + d]);
+#pragma GCC unroll 4
+      for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_fmadd_ps(av, bv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) _mm512_storeu_ps(s + r * NP + 16 * c, acc[r][c]);
+}
+
+// Values of R dims over a tile: ot[r, 16c..] = ot[r, 16c..] * corr[16c..] + sum over the
+// tile's positions t of v[t][r] * p[t * NP + 16c..] (v[t] the position's value row in its
+// block: blocks[j] holds counts[j] positions, rows D apart).
+template <int R, int CI>
+RD_AVX512 inline void values16(const float* const* blocks, const int64_t* counts, int64_t nblocks, int64_t D,
+                               const float* p, const float* corr, int64_t NP, float* ot) {
+  __m512 acc[R][CI];
+  __m512 cv[CI];
+#pragma GCC unroll 4
+  for (int c = 0; c < CI; ++c) cv[c] = _mm512_loadu_ps(corr + 16 * c);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(ot + r * NP + 16 * c), cv[c]);
+  for (int64_t j = 0; j < nblocks; ++j) {
+    const float* v = blocks[j];
+    for (int64_t t = 0; t < counts[j]; ++t, p += NP) {
+      __m512 bv[CI];
+#pragma GCC unroll 4
+      for (int c = 0; c < CI; ++c) bv[c] = _mm512_loadu_ps(p + 16 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(v[t * D + r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_fmadd_ps(av, bv[c], acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) _mm512_storeu_ps(ot + r * NP + 16 * c, acc[r][c]);
+}
+
+// The lane-vector count (1-3) as a template argument.
+template <int R>
+RD_AVX512 inline void scores16_ci(int64_t ci, const float* k, int64_t D, const float* qt, int64_t NP, float* s) {
+  if (ci == 3) scores16<R, 3>(k, D, qt, NP, s);
+  else if (ci == 2) scores16<R, 2>(k, D, qt, NP, s);
+  else scores16<R, 1>(k, D, qt, NP, s);
+}
+
+template <int R>
+RD_AVX512 inline void values16_ci(int64_t ci, const float* const* blocks, const int64_t* counts, int64_t nblocks,
+                                  int64_t D, const float* p, const float* corr, int64_t NP, float* ot) {
+  if (ci == 3) values16<R, 3>(blocks, counts, nblocks, D, p, corr, NP, ot);
+  else if (ci == 2) values16<R, 2>(blocks, counts, nblocks, D, p, corr, NP, ot);
+  else values16<R, 1>(blocks, counts, nblocks, D, p, corr, NP, ot);
+}
+
+// Per-thread buffers of the AVX-512 way: as TiledScratch with lanes rounded to 16, and a
+// whole tile of one head's keys or values as float (bf16 pools).
+struct TiledScratch512 {
+  std::vector<float> qt, ot, s, m, l, corr, tile_f;
+  std::vector<int32_t> pos;
+  explicit TiledScratch512(const Shapes& z, int64_t np)
+      : qt(z.D * np), ot(z.D * np), s(tiled_positions(z.BS) * np), m(np), l(np), corr(np),
+        tile_f(tiled_positions(z.BS) * z.D), pos(np) {}
+};
+
+template <typename T>
+RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, const T* v_pool,
+                                   const int32_t* block_table, int64_t b, int64_t nq, int64_t ctx, const Shapes& z,
+                                   TiledScratch512& w) {
+  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, TP = tiled_positions(BS);
+  const int64_t NQ = nq * G, NP = (NQ + 15) / 16 * 16, NV = NP / 16;
+  const int64_t first = ctx - nq, lo = first_key(first, z);
+  const int32_t* table = block_table + b * z.MAXNB;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf);
+  float *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *m = w.m.data(), *l = w.l.data(),
+        *corr = w.corr.data();
+  int32_t* pos = w.pos.data();
+  for (int64_t i = 0; i < NP; ++i) pos[i] = static_cast<int32_t>(i < NQ ? first + i / G : ctx - 1);
+  const float* blocks[64];  // a tile's blocks (TP / BS <= 64)
+  int64_t counts[64];
+  for (int64_t h = 0; h < z.HKV; ++h) {
+    for (int64_t d = 0; d < D; ++d) std::fill(qt + d * NP + NQ, qt + (d + 1) * NP, 0.f);
+    for (int64_t j = 0; j < nq; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = z.q_at(q, b, j) + (h * G + g) * D;
+        float* dst = qt + j * G + g;
+        for (int64_t d = 0; d < D; ++d) dst[d * NP] = to_float(src[d]) * z.scale;
+      }
+    std::fill(ot, ot + D * NP, 0.f);
+    std::fill(m, m + NP, neg_inf);
+    std::fill(l, l + NP, 0.f);
+    for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TP) {
+      const int64_t t1 = std::min(ctx, t0 + TP), nt = t1 - t0;
+      const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS, nb = b1 - b0;
+      // Scores, block by block (each block's keys of head h are BS rows of D).
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = std::min(BS, ctx - blk * BS);
+        const float* kp = head_block(k_pool, table[blk], h, n, z, w.tile_f.data());
+        float* sb = s + (blk * BS - t0) * NP;
+        for (int64_t c0 = 0; c0 < NV; c0 += kLanes512) {
+          const int64_t ci = std::min<int64_t>(kLanes512, NV - c0);
+          int64_t r = 0;
+          for (; r + kRows512 <= n; r += kRows512)
+            scores16_ci<kRows512>(ci, kp + r * D, D, qt + 16 * c0, NP, sb + r * NP + 16 * c0);
+          for (; r < n; ++r) scores16_ci<1>(ci, kp + r * D, D, qt + 16 * c0, NP, sb + r * NP + 16 * c0);
+        }
+      }
+      if (z.softcap > 0.f)
+        for (int64_t e = 0; e < nt * NP; ++e) s[e] = z.softcap * std::tanh(s[e] / z.softcap);
+      // What a lane may not see: keys past its position, or before its window.
+      const bool window_cut = z.window > 0 && t0 <= ctx - 1 - z.window;
+      for (int64_t t = 0; t < nt; ++t) {
+        const int64_t p = t0 + t;
+        if (p <= first && !window_cut) continue;  // every lane sees it
+        const __m512i pv = _mm512_set1_epi32(static_cast<int32_t>(p));
+        const __m512i wv = _mm512_set1_epi32(static_cast<int32_t>(p + z.window));
+        float* st = s + t * NP;
+        for (int64_t i = 0; i < NP; i += 16) {
+          const __m512i lane_pos = _mm512_loadu_si512(pos + i);
+          __mmask16 hide = _mm512_cmpgt_epi32_mask(pv, lane_pos);
+          if (z.window > 0) hide |= _mm512_cmple_epi32_mask(wv, lane_pos);  // p <= pos - W
+          _mm512_storeu_ps(st + i, _mm512_mask_mov_ps(_mm512_loadu_ps(st + i), hide, vneg_inf));
+        }
+      }
+      // Online softmax, 16 lanes at a time.
+      for (int64_t i = 0; i < NP; i += 16) {
+        __m512 mx = vneg_inf;
+        for (int64_t t = 0; t < nt; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * NP + i));
+        const __m512 m_old = _mm512_loadu_ps(m + i);
+        const __m512 m_new = _mm512_max_ps(m_old, mx);
+        // A lane that has seen nothing yet keeps weight 0 (its exp base 0, no NaN).
+        const __m512 base = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, vneg_inf, _CMP_EQ_OQ),
+                                               _mm512_setzero_ps());
+        const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, vneg_inf, _CMP_NEQ_UQ),
+                                             exp16(_mm512_sub_ps(m_old, base)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < nt; ++t) {
+          const __m512 sv = _mm512_loadu_ps(s + t * NP + i);
+          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, vneg_inf, _CMP_NEQ_UQ),
+                                               exp16(_mm512_sub_ps(sv, base)));
+          _mm512_storeu_ps(s + t * NP + i, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(l + i, _mm512_fmadd_ps(_mm512_loadu_ps(l + i), c, sum));
+        _mm512_storeu_ps(m + i, m_new);
+        _mm512_storeu_ps(corr + i, c);
+      }
+      // Values: the tile's blocks at once, the outputs rescaled on the way.
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = std::min(BS, ctx - blk * BS);
+        blocks[blk - b0] = head_block(v_pool, table[blk], h, n, z, w.tile_f.data() + (blk - b0) * BS * D);
+        counts[blk - b0] = n;
+      }
+      for (int64_t c0 = 0; c0 < NV; c0 += kLanes512) {
+        const int64_t ci = std::min<int64_t>(kLanes512, NV - c0);
+        int64_t d = 0;
+        for (; d + kRows512 <= D; d += kRows512) {
+          const float* shifted[64];
+          for (int64_t j = 0; j < nb; ++j) shifted[j] = blocks[j] + d;
+          values16_ci<kRows512>(ci, shifted, counts, nb, D, s + 16 * c0, corr + 16 * c0, NP, ot + d * NP + 16 * c0);
+        }
+        for (; d < D; ++d) {
+          const float* shifted[64];
+          for (int64_t j = 0; j < nb; ++j) shifted[j] = blocks[j] + d;
+          values16_ci<1>(ci, shifted, counts, nb, D, s + 16 * c0, corr + 16 * c0, NP, ot + d * NP + 16 * c0);
+        }
+      }
+    }
+    for (int64_t j = 0; j < nq; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = j * G + g;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        float* dst = z.out_at(out, b, j) + (h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
+      }
+  }
+}
+
 #define RAYDECODE_TILED 1
+#endif
+
+#ifdef RAYDECODE_TILED
+// The way the lanes path takes: AVX-512 where the CPU has it, else AVX2; tests force
+// each one the CPU has (set_tiled_isa).
+constexpr int kTiledAvx2 = 1, kTiledAvx512 = 2;
+std::atomic<int> g_tiled_isa{0};  // 0: the best this CPU has
+
+int tiled_isa() {
+  static const int best = __builtin_cpu_supports("avx512f") ? kTiledAvx512 : kTiledAvx2;
+  const int forced = g_tiled_isa.load(std::memory_order_relaxed);
+  return forced ? forced : best;
+}
 #endif
 
 // The rows are dealt to the threads before any starts, largest first (queries times
@@ -600,6 +855,8 @@ void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int3
     std::unique_ptr<Scratch> w;
 #ifdef RAYDECODE_TILED
     std::unique_ptr<TiledScratch> tw;
+    std::unique_ptr<TiledScratch512> tw512;
+    const bool avx512 = tiled_isa() == kTiledAvx512;
 #endif
     for (int64_t tid = begin; tid < end; ++tid) {
       const std::vector<int64_t>& mine = dealt[tid];
@@ -607,8 +864,13 @@ void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int3
         const int64_t b = mine[k], nq = z.q_lens[b];
 #ifdef RAYDECODE_TILED
         if (nq * z.G >= kTiledMinLanes) {
-          if (!tw) tw = std::make_unique<TiledScratch>(z, (z.Q * z.G + 7) / 8 * 8);
-          attend_row_tiled<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tw);
+          if (avx512) {
+            if (!tw512) tw512 = std::make_unique<TiledScratch512>(z, (z.Q * z.G + 15) / 16 * 16);
+            attend_row_tiled512<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tw512);
+          } else {
+            if (!tw) tw = std::make_unique<TiledScratch>(z, (z.Q * z.G + 7) / 8 * 8);
+            attend_row_tiled<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tw);
+          }
           continue;
         }
 #endif
@@ -620,36 +882,100 @@ void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int3
   });
 }
 
-}  // namespace
-
-// out [B*Q, HQ, D] float32; q [B*Q, HQ, D]; pools [NB, HKV, BS, D]; block_table [B, MAXNB]
-// int32; kv_lens, q_lens [B] int32. Rows of out past a row's q_lens are left alone.
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_table,
-                     at::Tensor kv_lens, at::Tensor q_lens, double scale, double softcap, int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(),
+void check_common(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& block_table, const at::Tensor& kv_lens, const at::Tensor& q_lens) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous() &&
+                  block_table.is_contiguous() && kv_lens.is_contiguous() && q_lens.is_contiguous(),
               "paged_attention: contiguous tensors only");
   TORCH_CHECK(out.scalar_type() == at::kFloat, "paged_attention: out must be float32");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && kv_lens.scalar_type() == at::kInt &&
                   q_lens.scalar_type() == at::kInt, "paged_attention: int32 tables and lengths");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
               "paged_attention: q and the pools share a dtype");
-  const int64_t B = kv_lens.size(0), HQ = q.size(1), D = q.size(2);
-  const int64_t Q = B ? q.size(0) / B : 0;
-  const int64_t HKV = k_pool.size(1), BS = k_pool.size(2), MAXNB = block_table.size(1);
-  TORCH_CHECK(q.size(0) == B * Q && HQ % HKV == 0 && k_pool.size(3) == D, "paged_attention: shapes do not fit");
-  const auto* bt = block_table.data_ptr<int32_t>();
-  const auto* kl = kv_lens.data_ptr<int32_t>();
-  const auto* ql = q_lens.data_ptr<int32_t>();
-  const Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap, kl, ql};
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() &&
+                  q.size(1) % k_pool.size(1) == 0 && k_pool.size(3) == q.size(2) && block_table.dim() == 2 &&
+                  block_table.size(0) == kv_lens.size(0) && q_lens.size(0) == kv_lens.size(0),
+              "paged_attention: shapes do not fit");
+}
+
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+         const at::Tensor& block_table, int64_t B, const Shapes& z) {
   if (q.scalar_type() == at::kFloat) {
     attend<float>(out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                  bt, B, z);
+                  block_table.data_ptr<int32_t>(), B, z);
   } else if (q.scalar_type() == at::kBFloat16) {
     attend<c10::BFloat16>(out.data_ptr<float>(), q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
-                          v_pool.data_ptr<c10::BFloat16>(), bt, B, z);
+                          v_pool.data_ptr<c10::BFloat16>(), block_table.data_ptr<int32_t>(), B, z);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
   }
+}
+
+}  // namespace
+
+// out [B*Q, HQ, D] float32; q [B*Q, HQ, D]; pools [NB, HKV, BS, D]; block_table [B, MAXNB]
+// int32; kv_lens, q_lens [B] int32. Rows of out past a row's q_lens are left alone.
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_table,
+                     at::Tensor kv_lens, at::Tensor q_lens, double scale, double softcap, int64_t window) {
+  check_common(out, q, k_pool, v_pool, block_table, kv_lens, q_lens);
+  TORCH_CHECK(q.is_contiguous(), "paged_attention: contiguous tensors only");
+  const int64_t B = kv_lens.size(0), HQ = q.size(1), D = q.size(2);
+  const int64_t Q = B ? q.size(0) / B : 0;
+  TORCH_CHECK(q.size(0) == B * Q, "paged_attention: shapes do not fit");
+  const int64_t HKV = k_pool.size(1), BS = k_pool.size(2), MAXNB = block_table.size(1);
+  Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap,
+           kv_lens.data_ptr<int32_t>(), q_lens.data_ptr<int32_t>()};
+  z.q_stride = HQ * D;
+  run(out, q, k_pool, v_pool, block_table, B, z);
+}
+
+// The same over the step's packed tokens, in place: q [T, HQ, D] (a token's heads
+// contiguous; tokens any stride apart, e.g. a column view of the merged q/k/v
+// projection), out [T, HQ, D] float32; row b's queries are tokens starts[b] ..
+// starts[b] + q_lens[b] - 1. Tokens no row names are left alone.
+void paged_attention_packed(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                            at::Tensor block_table, at::Tensor kv_lens, at::Tensor q_lens, at::Tensor starts,
+                            double scale, double softcap, int64_t window) {
+  check_common(out, q, k_pool, v_pool, block_table, kv_lens, q_lens);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "paged_attention_packed: q's heads must be contiguous within a token");
+  TORCH_CHECK(starts.scalar_type() == at::kInt && starts.is_contiguous() && starts.dim() == 1 &&
+                  starts.size(0) == kv_lens.size(0), "paged_attention_packed: starts must be int32 [B]");
+  const int64_t B = kv_lens.size(0), T = q.size(0), HQ = q.size(1), D = q.size(2);
+  const auto* st = starts.data_ptr<int32_t>();
+  const auto* ql = q_lens.data_ptr<int32_t>();
+  const auto* kl = kv_lens.data_ptr<int32_t>();
+  const int64_t HKV = k_pool.size(1), BS = k_pool.size(2), MAXNB = block_table.size(1);
+  int64_t Q = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ql[b] >= 0 && st[b] >= 0 && st[b] + ql[b] <= T && kl[b] >= ql[b] && kl[b] <= MAXNB * BS,
+                "paged_attention_packed: row ", b, " does not fit the packed tokens or its block table");
+    Q = std::max<int64_t>(Q, ql[b]);
+  }
+  Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap, kl, ql};
+  z.starts = st;
+  z.q_stride = q.stride(0);
+  run(out, q, k_pool, v_pool, block_table, B, z);
+}
+
+// The instruction sets the prefill (lanes) path can take on this CPU, best first.
+std::vector<std::string> tiled_isas() {
+  std::vector<std::string> out;
+#ifdef RAYDECODE_TILED
+  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+  out.push_back("avx2");
+#endif
+  return out;
+}
+
+// Forces the prefill path's instruction set (one of tiled_isas(); "" for the best): tests.
+void set_tiled_isa(const std::string& name) {
+  const auto have = tiled_isas();
+  TORCH_CHECK(name.empty() || std::find(have.begin(), have.end(), name) != have.end(),
+              "paged_attention: this build or CPU has no ", name, " prefill path");
+#ifdef RAYDECODE_TILED
+  g_tiled_isa.store(name.empty() ? 0 : name == "avx512" ? kTiledAvx512 : kTiledAvx2);
+#endif
 }
 
 void register_layer_ops(pybind11::module_& m);  // layer_ops.cpp
@@ -657,6 +983,9 @@ void register_panel_linear(pybind11::module_& m);  // panel_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention for short queries (CPU)");
+  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over a step's packed tokens (CPU)");
+  m.def("tiled_isas", &tiled_isas, "instruction sets of the prefill path on this CPU, best first");
+  m.def("set_tiled_isa", &set_tiled_isa, "forces the prefill path's instruction set (\"\": the best)");
   register_layer_ops(m);
   register_panel_linear(m);
 }

@@ -128,6 +128,23 @@ class CpuPagedKernel:
         )
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
+    def run_packed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                   kv_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, scale: float,
+                   softcap: float | None, window: int | None) -> torch.Tensor:
+        """``q [T, heads, D]``, the step's packed queries (a token's heads contiguous,
+        tokens any stride apart: a column view of the merged q/k/v projection is read
+        as it is); kernel row b's queries are tokens ``starts[b]`` on, the last
+        ``query_lens[b]`` of its ``kv_lens[b]`` positions; every token must belong to
+        one row. -> ``[T, heads, D]``."""
+        if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=torch.float32)
+        self.module.paged_attention_packed(
+            out, q, k_pool, v_pool, block_table, kv_lens, query_lens, starts,
+            float(scale), float(softcap or 0.0), int(window or 0),
+        )
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
 
 def enable() -> bool:
     """Builds (or loads) the kernel and makes the attention function use it on CPU;

@@ -82,7 +82,8 @@ def prefill_cases(chunk: int, cached: int, kernel: CpuPagedKernel) -> dict:
     cache.keys[0].normal_()
     cache.values[0].normal_()
     table = rng.permutation(blocks * 2 + 8)[:blocks].astype(np.int32)[None, :]
-    runs = KernelRows.build([(0, 0, chunk, total)], table, BLOCK, KERNEL_PREFILL_QUERIES, torch.device("cpu"))
+    runs = KernelRows.build(np.array([0]), np.array([0]), np.array([chunk]), np.array([total]), table, BLOCK,
+                            KERNEL_PREFILL_QUERIES, torch.device("cpu"))
     q = torch.randn(chunk, HEADS, DIM)
     scale = DIM**-0.5
     ids = torch.from_numpy(table[0]).long()
@@ -97,9 +98,8 @@ def prefill_cases(chunk: int, cached: int, kernel: CpuPagedKernel) -> dict:
     out = {"dense": (dense, None)}
     if kernel is not None:
         def run_kernel() -> torch.Tensor:
-            o = kernel.run(q.index_select(0, runs.index), cache.keys[0], cache.values[0], runs.block_table,
-                           runs.kv_lens, runs.query_lens, scale, None, None)
-            return o.index_select(0, runs.valid)
+            return kernel.run_packed(q, cache.keys[0], cache.values[0], runs.block_table, runs.kv_lens,
+                                     runs.query_lens, runs.starts, scale, None, None)
 
         out["kernel"] = (run_kernel, None)
         got, ref = run_kernel(), dense()
