@@ -82,10 +82,10 @@ class EngineConfig:
     #: oneDNN's packed linear)
     cpu_panel_linear: bool = True
     #: CPU, float32, with cpu_panel_linear: linears called with at least this many rows
-    #: (prefill chunks) run on oneDNN's packed copy of their weights, 4-7% faster there
-    #: (the linears' weights then twice in memory, the LM head once); 0: panels at
-    #: every size, one copy
-    cpu_onednn_from_rows: int = 192
+    #: (long prefill chunks) run on oneDNN's packed copy of their weights, ~10% faster
+    #: there (the linears' weights then twice in memory, the LM head once); 0: panels
+    #: at every size, one copy
+    cpu_onednn_from_rows: int = 320
     #: CPU: decode attention with the compiled paged kernel (off: gather the blocks + SDPA)
     cpu_attention_kernel: bool = True
     #: CPU: Llama, Mistral and Qwen2 run with fused layer ops (off: the transformers forward)

@@ -7,10 +7,11 @@ into a layout its kernel streams runs the same matmul faster. Two packings:
   output columns stored as one contiguous ``[K, 16]`` block, read once per block of up
   to 12 rows with every weight vector feeding those rows' FMAs from registers. At
   decode sizes a step is bound by reading the weights: SmolLM2's 30 layers and LM head
-  take 27-30 ms at one row against 44 ms through oneDNN's packed linear, 41 against 53
-  at 8 rows, 106 against 121 at 64, but 2-7% behind it at 192-512 (prefill chunks,
-  bound by the FMA units): calls of ``onednn_from_rows`` rows or more run on oneDNN's
-  packed copy, kept beside the panels. Each panel output is one chain of FMAs over k
+  take 30-32 ms at one row against 41-42 ms through oneDNN's packed linear, 38-41
+  against 46-49 at 8 rows, 80 against 111 at 64 (the next panels prefetched while a
+  pair's later row blocks compute), level to 320 rows, but 8-11% behind it at 384-512
+  (long prefill chunks, bound by the FMA units): calls of ``onednn_from_rows`` rows or
+  more run on oneDNN's packed copy, kept beside the panels. Each panel output is one chain of FMAs over k
   in order, so a row's result does not depend on the batch it is in. Needs the CPU
   kernels (``worker/paged_attention.py`` builds them) and output sizes that are
   multiples of 16; otherwise oneDNN's packing serves.
