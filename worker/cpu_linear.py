@@ -11,10 +11,10 @@ into a layout its kernel streams runs the same matmul faster. Two packings:
   against 46-49 at 8 rows, 80 against 111 at 64 (the next panels prefetched while a
   pair's later row blocks compute), level to 320 rows, but 8-11% behind it at 384-512
   (long prefill chunks, bound by the FMA units): calls of ``onednn_from_rows`` rows or
-  more run on oneDNN's packed copy, kept beside the panels. Each panel output is one chain of FMAs over k
-  in order, so a row's result does not depend on the batch it is in. Needs the CPU
-  kernels (``worker/paged_attention.py`` builds them) and output sizes that are
-  multiples of 16; otherwise oneDNN's packing serves.
+  more run on oneDNN's packed copy, kept beside the panels. Each panel output is one
+  chain of FMAs over k in order, so a row's result does not depend on the batch it is
+  in. Needs the CPU kernels (``worker/paged_attention.py`` builds them) and output
+  sizes that are multiples of 16; otherwise oneDNN's packing serves.
 - oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
   into its blocked layout (what inductor's "freezing" does), 2-3.5x ``F.linear`` at 1-64
   rows in float32 on this project's machines (``tests/bench/worker_step.py``).
@@ -88,9 +88,9 @@ class PanelLinear(nn.Module):
     ``[out / 16, in, 16]``, run by the CPU kernel ``ops.panel_linear``.
 
     With ``onednn_from_rows`` > 0 it also keeps oneDNN's packed copy of the weight and
-    runs calls of at least that many rows (prefill chunks) there: the panels are ahead
-    while reading the weights bounds a call, oneDNN by 4-7% where the FMA units do
-    (``tests/bench/panel_linear.py``)."""
+    runs calls of at least that many rows (long prefill chunks) there: the panels are
+    ahead while reading the weights bounds a call, oneDNN by 8-11% at 384-512 rows where
+    the FMA units do (``tests/bench/panel_linear.py``)."""
 
     def __init__(self, linear: nn.Linear, ops: Any, onednn_from_rows: int = 0) -> None:
         super().__init__()

@@ -14,18 +14,28 @@ namespace raydecode {
 // range reduction and a degree-6 polynomial (relative error below 2e-7 over the float
 // range; exp(-inf) = 0). GCC only vectorizes the clamps (and so any loop calling this)
 // with -fno-trapping-math, which the build passes (paged_attention.compiler_flags).
+// Its constants, shared with the vector versions (paged_attention.cpp: exp8, exp16).
+namespace exp_const {
+constexpr float kMin = -87.33654f, kMax = 88.72283f;  // the clamp
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 = hi + lo
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;  // highest degree first
+}  // namespace exp_const
+
 inline float fast_exp(float x) {
-  x = std::max(x, -87.33654f);
-  x = std::min(x, 88.72283f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace exp_const;
+  x = std::max(x, kMin);
+  x = std::min(x, kMax);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = kP0;
+  p = p * r + kP1;
+  p = p * r + kP2;
+  p = p * r + kP3;
+  p = p * r + kP4;
+  p = p * r + kP5;
   p = p * r * r + r + 1.0f;
   int32_t bits;
   std::memcpy(&bits, &p, sizeof(bits));

@@ -51,18 +51,19 @@ using raydecode::to_float;
 #if defined(__AVX2__) && defined(__FMA__)
 // exp over 8 lanes: the same reduction and polynomial as fast_exp.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.72283f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  using namespace raydecode::exp_const;
+  x = _mm256_max_ps(x, _mm256_set1_ps(kMin));
+  x = _mm256_min_ps(x, _mm256_set1_ps(kMax));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
@@ -487,11 +488,50 @@ inline const float* head_block(const T* pool, int64_t block, int64_t h, int64_t 
   }
 }
 
+// Shared by both ways through the lanes layout (AVX2 below, AVX-512 after it).
+//
+// Each lane's position; padding lanes take the last one (they see every key, so no lane
+// is ever empty) and are dropped at the end.
+inline void lane_positions(int32_t* pos, int64_t NP, int64_t NQ, int64_t G, int64_t first, int64_t ctx) {
+  for (int64_t i = 0; i < NP; ++i) pos[i] = static_cast<int32_t>(i < NQ ? first + i / G : ctx - 1);
+}
+
+// KV head h's queries of row b across the lanes (qt [D, NP], scaled, padding lanes 0),
+// and the head's outputs, running max and sum cleared.
+template <typename T>
+inline void start_head(float* qt, float* ot, float* m, float* l, const T* q, int64_t b, int64_t nq, int64_t h,
+                       int64_t NP, const Shapes& z) {
+  const int64_t G = z.G, D = z.D, NQ = nq * G;
+  for (int64_t d = 0; d < D; ++d) std::fill(qt + d * NP + NQ, qt + (d + 1) * NP, 0.f);
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = z.q_at(q, b, j) + (h * G + g) * D;
+      float* dst = qt + j * G + g;
+      for (int64_t d = 0; d < D; ++d) dst[d * NP] = to_float(src[d]) * z.scale;
+    }
+  std::fill(ot, ot + D * NP, 0.f);
+  std::fill(m, m + NP, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + NP, 0.f);
+}
+
+// KV head h's outputs of row b back from the lanes (ot [D, NP]), divided by the sums.
+inline void finish_head(float* out, const float* ot, const float* l, int64_t b, int64_t nq, int64_t h, int64_t NP,
+                        const Shapes& z) {
+  const int64_t G = z.G, D = z.D;
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = j * G + g;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      float* dst = z.out_at(out, b, j) + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
+    }
+}
+
 // Row b (nq queries, the last of its ctx positions) by the lanes layout above.
 template <typename T>
 void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table,
                       int64_t b, int64_t nq, int64_t ctx, const Shapes& z, TiledScratch& w) {
-  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, TP = tiled_positions(BS);
+  const int64_t G = z.G, D = z.D, BS = z.BS, TP = tiled_positions(BS);
   const int64_t NQ = nq * G, NP = (NQ + 7) / 8 * 8;
   const int64_t first = ctx - nq, lo = first_key(first, z);
   const int32_t* table = block_table + b * z.MAXNB;
@@ -499,21 +539,10 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
   float *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *m = w.m.data(), *l = w.l.data(),
         *corr = w.corr.data();
   int32_t* pos = w.pos.data();
-  // Each lane's position; padding lanes take the last one (they see every key, so no
-  // lane is ever empty) and are dropped at the end.
-  for (int64_t i = 0; i < NP; ++i) pos[i] = static_cast<int32_t>(i < NQ ? first + i / G : ctx - 1);
+  lane_positions(pos, NP, NQ, G, first, ctx);
   const __m256 vneg_inf = _mm256_set1_ps(neg_inf);
   for (int64_t h = 0; h < z.HKV; ++h) {
-    for (int64_t d = 0; d < D; ++d) std::fill(qt + d * NP + NQ, qt + (d + 1) * NP, 0.f);
-    for (int64_t j = 0; j < nq; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const T* src = z.q_at(q, b, j) + (h * G + g) * D;
-        float* dst = qt + j * G + g;
-        for (int64_t d = 0; d < D; ++d) dst[d * NP] = to_float(src[d]) * z.scale;
-      }
-    std::fill(ot, ot + D * NP, 0.f);
-    std::fill(m, m + NP, neg_inf);
-    std::fill(l, l + NP, 0.f);
+    start_head(qt, ot, m, l, q, b, nq, h, NP, z);
     for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TP) {
       const int64_t t1 = std::min(ctx, t0 + TP), nt = t1 - t0;
       const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS;
@@ -564,13 +593,7 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
         lanes_product<true>(vp, D, 1, D, s + (blk * BS - t0) * NP, NP, n, ot);  // ot[d, i] += sum_t v[t, d] p[t, i]
       }
     }
-    for (int64_t j = 0; j < nq; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = j * G + g;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        float* dst = z.out_at(out, b, j) + (h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
-      }
+    finish_head(out, ot, l, b, nq, h, NP, z);
   }
 }
 
@@ -586,18 +609,19 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
 #define RD_AVX512 __attribute__((target("avx512f,fma")))
 
 RD_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.72283f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  using namespace raydecode::exp_const;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kMin));
+  x = _mm512_min_ps(x, _mm512_set1_ps(kMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
@@ -695,7 +719,7 @@ template <typename T>
 RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, const T* v_pool,
                                    const int32_t* block_table, int64_t b, int64_t nq, int64_t ctx, const Shapes& z,
                                    TiledScratch512& w) {
-  const int64_t G = z.G, D = z.D, BS = z.BS, HQ = z.HQ, TP = tiled_positions(BS);
+  const int64_t G = z.G, D = z.D, BS = z.BS, TP = tiled_positions(BS);
   const int64_t NQ = nq * G, NP = (NQ + 15) / 16 * 16, NV = NP / 16;
   const int64_t first = ctx - nq, lo = first_key(first, z);
   const int32_t* table = block_table + b * z.MAXNB;
@@ -704,20 +728,11 @@ RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, cons
   float *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *m = w.m.data(), *l = w.l.data(),
         *corr = w.corr.data();
   int32_t* pos = w.pos.data();
-  for (int64_t i = 0; i < NP; ++i) pos[i] = static_cast<int32_t>(i < NQ ? first + i / G : ctx - 1);
+  lane_positions(pos, NP, NQ, G, first, ctx);
   const float* blocks[64];  // a tile's blocks (TP / BS <= 64)
   int64_t counts[64];
   for (int64_t h = 0; h < z.HKV; ++h) {
-    for (int64_t d = 0; d < D; ++d) std::fill(qt + d * NP + NQ, qt + (d + 1) * NP, 0.f);
-    for (int64_t j = 0; j < nq; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const T* src = z.q_at(q, b, j) + (h * G + g) * D;
-        float* dst = qt + j * G + g;
-        for (int64_t d = 0; d < D; ++d) dst[d * NP] = to_float(src[d]) * z.scale;
-      }
-    std::fill(ot, ot + D * NP, 0.f);
-    std::fill(m, m + NP, neg_inf);
-    std::fill(l, l + NP, 0.f);
+    start_head(qt, ot, m, l, q, b, nq, h, NP, z);
     for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TP) {
       const int64_t t1 = std::min(ctx, t0 + TP), nt = t1 - t0;
       const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS, nb = b1 - b0;
@@ -795,13 +810,7 @@ RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, cons
         }
       }
     }
-    for (int64_t j = 0; j < nq; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = j * G + g;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        float* dst = z.out_at(out, b, j) + (h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
-      }
+    finish_head(out, ot, l, b, nq, h, NP, z);
   }
 }
 

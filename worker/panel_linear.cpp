@@ -7,9 +7,10 @@
 // layers + LM head at one row: 44 ms against 27-30 ms here). A panel is one contiguous
 // run, read once per block of up to 12 rows: each weight vector feeds 12 FMAs from
 // registers (two panels at once: 24 accumulators of 16 lanes, AVX-512), the rows'
-// inputs broadcast from L1. More rows take the same panel again from L2. At 192-512
-// rows (prefill chunks) the FMA units bound the call and oneDNN is 2-7% ahead, so the
-// engine runs those calls on oneDNN's copy (worker/cpu_linear.py, onednn_from_rows).
+// inputs broadcast from L1. More rows take the same panel again from L2 (the next
+// panels prefetched meanwhile: run_unit). At 384-512 rows (long prefill chunks) the FMA
+// units bound the call and oneDNN is 8-11% ahead, so the engine runs those calls on
+// oneDNN's copy (worker/cpu_linear.py, onednn_from_rows).
 //
 // Each output is one chain of FMAs over k in order, whatever M, the thread count or the
 // row's neighbours: a row's result does not depend on the batch it is in.
@@ -180,8 +181,8 @@ void run_unit(const Args& a, Isa isa, int64_t unit) {
       // mostly waiting on memory) the hardware prefetcher alone did as well.
       const int64_t blocks = (a.M + AVX512_ROWS - 1) / AVX512_ROWS;
       const int64_t next = std::min<int64_t>(2, P - (p + 2));
-      const int64_t lines = a.M >= 6 && next > 0 ? next * a.K * PANEL * 4 / 64 : 0;
-      const char* pf = reinterpret_cast<const char*>(a.w + (p + 2) * a.K * PANEL);
+      const int64_t lines = a.M >= 6 && next > 0 ? next * a.K : 0;  // a panel's row of 16 floats: one line
+      const char* pf = lines ? reinterpret_cast<const char*>(a.w + (p + 2) * a.K * PANEL) : nullptr;
       int64_t done = 0;
       for (int64_t b = 0, m0 = 0; m0 < a.M; ++b, m0 += AVX512_ROWS) {
         const int64_t upto = lines * (b + 1) / blocks;
