@@ -190,3 +190,27 @@ def test_the_packed_call_refuses_rows_outside_the_tokens():
             kernel.run_packed(q, cache.keys[0], cache.values[0], table, torch.tensor([kv_len], dtype=torch.int32),
                               torch.tensor([q_len], dtype=torch.int32), torch.tensor([start], dtype=torch.int32),
                               0.1, None, None)
+
+
+@pytest.mark.parametrize("items,threads", [(0, 2), (1, 2), (7, 3), (40, 2), (40, 1)])
+def test_the_stealing_split_takes_every_item_once(items, threads):
+    """The kernels' work split (worker/work_split.h): every item is taken exactly once
+    (the C++ side counts double takes and raises), whatever the thread count."""
+    takers = load().stealing_split_takers(items, threads, -1, 0)
+    assert len(takers) == items
+    assert all(0 <= t < max(1, min(threads, items)) for t in takers)
+
+
+def test_a_thread_done_early_takes_a_slow_threads_items_from_the_back():
+    """When the thread of one run is held up (preempted, in a Ray actor), the other takes
+    what it has not started, from the back of its run; a static split would wait for it."""
+    items = 40
+    takers = load().stealing_split_takers(items, 2, 0, 2000)  # run 0 ([0, 20)) sleeps 2 ms per item
+    if torch.get_num_threads() < 2:  # one thread: it goes through run 0, then takes all of run 1
+        assert takers == [0] * items
+        return
+    assert takers[20:] == [1] * 20  # run 1's own items
+    stolen = [i for i in range(20) if takers[i] == 1]
+    assert len(stolen) >= 5, takers
+    # What was taken over is the back of run 0: a suffix of it.
+    assert stolen == list(range(20 - len(stolen), 20))

@@ -13,7 +13,8 @@ into a layout its kernel streams runs the same matmul faster. Two packings:
   (long prefill chunks, bound by the FMA units): calls of ``onednn_from_rows`` rows or
   more run on oneDNN's packed copy, kept beside the panels. Each panel output is one
   chain of FMAs over k in order, so a row's result does not depend on the batch it is
-  in. Needs the CPU kernels (``worker/paged_attention.py`` builds them) and output
+  in. The panel pairs are split over the threads in contiguous runs, a thread done
+  early taking the other's from the back (``worker/work_split.h``). Needs the CPU kernels (``worker/paged_attention.py`` builds them) and output
   sizes that are multiples of 16; otherwise oneDNN's packing serves.
 - oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
   into its blocked layout (what inductor's "freezing" does), 2-3.5x ``F.linear`` at 1-64

@@ -6,7 +6,8 @@
 // keys and values where they live: in the pool blocks its block table names
 // (pool layout [num_blocks, kv_heads, block_size, head_dim]); nothing is gathered.
 // Rows are dealt to ATen's threads (the same threads as torch's ops, so
-// torch.set_num_threads sizes it), largest first to the least loaded (deal_rows).
+// torch.set_num_threads sizes it), largest first to the least loaded (deal_rows); a
+// thread done with its rows takes the others' not yet started (work_split.h).
 // Two ways through a row:
 // - few queries (decodes): attend_row. Memory bound: the keys are read a tile of blocks
 //   at a time (every KV head of a block together: one contiguous run), scores for the
@@ -29,6 +30,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_math.h"
+#include "work_split.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -36,11 +38,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -858,36 +862,42 @@ inline std::vector<std::vector<int64_t>> deal_rows(int64_t B, int64_t threads, c
 template <typename T>
 void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table, int64_t B,
             const Shapes& z) {
+  // The dealt rows one after the other, thread t's from bounds[t]; a thread done with
+  // its own takes the others' from their backs (StealingSplit).
   const auto dealt = deal_rows(B, at::get_num_threads(), z);
-  at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
-    // Each way's buffers only where a row takes it (a prefill call needs no Scratch).
-    std::unique_ptr<Scratch> w;
+  std::vector<int64_t> order, bounds{0};
+  for (const auto& mine : dealt) {
+    order.insert(order.end(), mine.begin(), mine.end());
+    bounds.push_back(static_cast<int64_t>(order.size()));
+  }
+  raydecode::StealingSplit split(bounds);
+  // Each way's buffers per thread, only where a row takes it (a prefill call needs no
+  // Scratch).
+  std::vector<std::unique_ptr<Scratch>> ws(split.threads());
 #ifdef RAYDECODE_TILED
-    std::unique_ptr<TiledScratch> tw;
-    std::unique_ptr<TiledScratch512> tw512;
-    const bool avx512 = tiled_isa() == kTiledAvx512;
+  std::vector<std::unique_ptr<TiledScratch>> tws(split.threads());
+  std::vector<std::unique_ptr<TiledScratch512>> tws512(split.threads());
+  const bool avx512 = tiled_isa() == kTiledAvx512;
 #endif
-    for (int64_t tid = begin; tid < end; ++tid) {
-      const std::vector<int64_t>& mine = dealt[tid];
-      for (size_t k = 0; k < mine.size(); ++k) {
-        const int64_t b = mine[k], nq = z.q_lens[b];
+  split.run([&](int64_t i, int64_t t) {
+    const int64_t b = order[i], nq = z.q_lens[b];
 #ifdef RAYDECODE_TILED
-        if (nq * z.G >= kTiledMinLanes) {
-          if (avx512) {
-            if (!tw512) tw512 = std::make_unique<TiledScratch512>(z, (z.Q * z.G + 15) / 16 * 16);
-            attend_row_tiled512<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tw512);
-          } else {
-            if (!tw) tw = std::make_unique<TiledScratch>(z, (z.Q * z.G + 7) / 8 * 8);
-            attend_row_tiled<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tw);
-          }
-          continue;
-        }
-#endif
-        const int64_t next_b = k + 1 < mine.size() ? mine[k + 1] : -1;
-        if (!w) w = std::make_unique<Scratch>(z);
-        attend_row<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], next_b, z, *w);
+    if (nq * z.G >= kTiledMinLanes) {
+      if (avx512) {
+        if (!tws512[t]) tws512[t] = std::make_unique<TiledScratch512>(z, (z.Q * z.G + 15) / 16 * 16);
+        attend_row_tiled512<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tws512[t]);
+      } else {
+        if (!tws[t]) tws[t] = std::make_unique<TiledScratch>(z, (z.Q * z.G + 7) / 8 * 8);
+        attend_row_tiled<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tws[t]);
       }
+      return;
     }
+#endif
+    // The row this thread takes next, when it is working through its own run.
+    const bool own = bounds[t] <= i && i < bounds[t + 1];
+    const int64_t next_b = own && i + 1 < bounds[t + 1] ? order[i + 1] : -1;
+    if (!ws[t]) ws[t] = std::make_unique<Scratch>(z);
+    attend_row<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], next_b, z, *ws[t]);
   });
 }
 
@@ -990,7 +1000,25 @@ void set_tiled_isa(const std::string& name) {
 void register_layer_ops(pybind11::module_& m);  // layer_ops.cpp
 void register_panel_linear(pybind11::module_& m);  // panel_linear.cpp
 
+// For tests of StealingSplit: `items` split evenly over `threads` runs, the thread on
+// run `slow` sleeping `sleep_us` before each item; which run's thread took each item.
+std::vector<int64_t> stealing_split_takers(int64_t items, int64_t threads, int64_t slow, int64_t sleep_us) {
+  std::vector<std::atomic<int64_t>> taker(items);
+  for (auto& t : taker) t.store(-1);
+  std::atomic<int64_t> twice{0};
+  raydecode::StealingSplit(items, threads).run([&](int64_t item, int64_t t) {
+    if (t == slow) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    int64_t none = -1;
+    if (!taker[item].compare_exchange_strong(none, t)) twice.fetch_add(1);
+  });
+  TORCH_CHECK(twice.load() == 0, "stealing_split_takers: ", twice.load(), " items were taken twice");
+  std::vector<int64_t> out(items);
+  for (int64_t i = 0; i < items; ++i) out[i] = taker[i].load();
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stealing_split_takers", &stealing_split_takers, "tests: which thread's run took each item");
   m.def("paged_attention", &paged_attention, "paged attention for short queries (CPU)");
   m.def("paged_attention_packed", &paged_attention_packed, "paged attention over a step's packed tokens (CPU)");
   m.def("tiled_isas", &tiled_isas, "instruction sets of the prefill path on this CPU, best first");

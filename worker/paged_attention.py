@@ -38,7 +38,7 @@ logger = logging.getLogger("raydecode")
 #: The extension's sources: the kernel (it defines the module) and the fused layer ops
 #: of ``worker/fused_decoder.py``; HEADERS count for the build's identity too.
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_math.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_math.h", "work_split.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 
 

@@ -21,6 +21,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "work_split.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define RAYDECODE_X86 1
@@ -242,9 +244,9 @@ void panel_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& 
   }
   const int64_t per = panels_per_unit(isa);
   const int64_t units = (P + per - 1) / per;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) run_unit(a, isa, unit);
-  });
+  // Contiguous runs of units per thread, a thread done early taking the other's from the
+  // back (work_split.h); a thread's own next unit is the one run_unit prefetched.
+  raydecode::StealingSplit(units, at::get_num_threads()).run([&](int64_t unit, int64_t) { run_unit(a, isa, unit); });
 }
 
 // W [N, K] (N a multiple of 16) -> panels [N / 16, K, 16].
