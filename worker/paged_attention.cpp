@@ -834,14 +834,20 @@ int tiled_isa() {
 }
 #endif
 
+// Thread t's rows, in the order it attends them: order[bounds[t] .. bounds[t + 1]).
+struct DealtRows {
+  std::vector<int64_t> order, bounds;
+};
+
 // The rows are dealt to the threads before any starts, largest first (queries times
 // keys read) to the thread with the least work so far: a prefill chunk's runs grow along
 // the chunk (each reads the keys up to its own last query), and the even split by index
 // that parallel_for makes gave one thread about three quarters of a fresh chunk's work.
 // Dealt up front rather than taken from a shared counter, each thread knows the row it
 // reads next and prefetches its first blocks (taking rows as they come cost decode 20%:
-// the guessed next row was often the other thread's).
-inline std::vector<std::vector<int64_t>> deal_rows(int64_t B, int64_t threads, const Shapes& z) {
+// the guessed next row was often the other thread's). Only a thread done with its own
+// rows takes others' (attend).
+inline DealtRows deal_rows(int64_t B, int64_t threads, const Shapes& z) {
   std::vector<int64_t> rows, cost(B, 0);
   for (int64_t b = 0; b < B; ++b) {
     if (z.q_lens[b] <= 0) continue;
@@ -849,12 +855,17 @@ inline std::vector<std::vector<int64_t>> deal_rows(int64_t B, int64_t threads, c
     cost[b] = int64_t(z.q_lens[b]) * (z.kv_lens[b] - first_key(z.kv_lens[b] - z.q_lens[b], z));
   }
   std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t c) { return cost[a] > cost[c]; });
-  std::vector<std::vector<int64_t>> dealt(std::max<int64_t>(1, std::min<int64_t>(threads, rows.size())));
-  std::vector<int64_t> load(dealt.size(), 0);
+  std::vector<std::vector<int64_t>> mine(std::max<int64_t>(1, std::min<int64_t>(threads, rows.size())));
+  std::vector<int64_t> load(mine.size(), 0);
   for (int64_t b : rows) {
     const size_t t = std::min_element(load.begin(), load.end()) - load.begin();
-    dealt[t].push_back(b);
+    mine[t].push_back(b);
     load[t] += cost[b];
+  }
+  DealtRows dealt{{}, {0}};
+  for (const auto& m : mine) {
+    dealt.order.insert(dealt.order.end(), m.begin(), m.end());
+    dealt.bounds.push_back(static_cast<int64_t>(dealt.order.size()));
   }
   return dealt;
 }
@@ -862,14 +873,10 @@ inline std::vector<std::vector<int64_t>> deal_rows(int64_t B, int64_t threads, c
 template <typename T>
 void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int32_t* block_table, int64_t B,
             const Shapes& z) {
-  // The dealt rows one after the other, thread t's from bounds[t]; a thread done with
-  // its own takes the others' from their backs (StealingSplit).
-  const auto dealt = deal_rows(B, at::get_num_threads(), z);
-  std::vector<int64_t> order, bounds{0};
-  for (const auto& mine : dealt) {
-    order.insert(order.end(), mine.begin(), mine.end());
-    bounds.push_back(static_cast<int64_t>(order.size()));
-  }
+  // A thread done with its own rows takes the others' from their backs (StealingSplit).
+  const DealtRows dealt = deal_rows(B, at::get_num_threads(), z);
+  const std::vector<int64_t>& order = dealt.order;
+  const std::vector<int64_t>& bounds = dealt.bounds;
   raydecode::StealingSplit split(bounds);
   // Each way's buffers per thread, only where a row takes it (a prefill call needs no
   // Scratch).
