@@ -82,10 +82,11 @@ class EngineConfig:
     #: oneDNN's packed linear)
     cpu_panel_linear: bool = True
     #: CPU, float32, with cpu_panel_linear: linears called with at least this many rows
-    #: (long prefill chunks) run on oneDNN's packed copy of their weights, ~10% faster
-    #: there (the linears' weights then twice in memory, the LM head once); 0: panels
-    #: at every size, one copy
-    cpu_onednn_from_rows: int = 320
+    #: (prefill chunks) run on a library GEMM's packed copy of their weights (MKL's
+    #: sgemm where torch has MKL, else oneDNN's), ahead of the panels from ~110 rows on
+    #: (the linears' weights then twice in memory, the LM head once); 0: panels at
+    #: every size, one copy
+    cpu_gemm_from_rows: int = 128
     #: CPU: decode attention with the compiled paged kernel (off: gather the blocks + SDPA)
     cpu_attention_kernel: bool = True
     #: CPU: Llama, Mistral and Qwen2 run with fused layer ops (off: the transformers forward)
@@ -177,8 +178,8 @@ class EngineConfig:
         if self.async_scheduling and self.num_spec_tokens:
             raise ValueError("async_scheduling cannot be combined with num_spec_tokens > 0 "
                              "(speculative decoding): the next step depends on the accepted drafts")
-        if self.cpu_onednn_from_rows < 0:
-            raise ValueError(f"cpu_onednn_from_rows must be >= 0, got {self.cpu_onednn_from_rows}")
+        if self.cpu_gemm_from_rows < 0:
+            raise ValueError(f"cpu_gemm_from_rows must be >= 0, got {self.cpu_gemm_from_rows}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         for name in ("ngram_min", "ngram_max"):
@@ -210,7 +211,7 @@ class EngineConfig:
             num_spec_tokens=self.num_spec_tokens, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
             max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
             cpu_packed_linear=self.cpu_packed_linear, cpu_panel_linear=self.cpu_panel_linear,
-            cpu_onednn_from_rows=self.cpu_onednn_from_rows,
+            cpu_gemm_from_rows=self.cpu_gemm_from_rows,
             cpu_attention_kernel=self.cpu_attention_kernel,
             cpu_fused_decoder=self.cpu_fused_decoder,
             logits_processors=list(self.logits_processors),

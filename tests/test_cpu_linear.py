@@ -1,6 +1,6 @@
-"""Prepacked linears (worker/cpu_linear.py): oneDNN's, float32 and bfloat16, and the
-column-panel kernel (worker/panel_linear.cpp), float32, on every instruction set this
-CPU has.
+"""Prepacked linears (worker/cpu_linear.py): oneDNN's, float32 and bfloat16, MKL's
+packed sgemm (float32, prefill-sized calls), and the column-panel kernel
+(worker/panel_linear.cpp), float32, on every instruction set this CPU has.
 
 The reference is the exact product in float64 of the same (dtype-rounded) weights and
 inputs, not the op itself; a bfloat16 worker is checked against the float32
@@ -16,7 +16,15 @@ from torch import nn
 
 from sampler.params import SamplingParams
 from test_model_runner import make_worker, prompts
-from worker.cpu_linear import PackedLinear, PanelLinear, pack_linear_layers, packable_dtypes
+from worker.cpu_linear import (
+    MKL_PACK_ROWS,
+    MklPackedWeight,
+    PackedLinear,
+    PanelLinear,
+    mkl_packed_linear_available,
+    pack_linear_layers,
+    packable_dtypes,
+)
 from worker.paged_attention import load as load_cpu_kernels
 from worker_driver import MiniDriver, greedy_divergence
 
@@ -172,25 +180,30 @@ def test_the_default_worker_runs_its_float32_linears_on_panels(tiny_model_path):
 
 @needs_kernels
 @needs_packing
-def test_panels_hand_prefill_sized_calls_to_their_onednn_copy():
-    """With ``onednn_from_rows``, calls of that many rows or more run on oneDNN's copy
-    (what a prefill chunk gets), smaller ones on the panels; both give the product.
-    The output embedding keeps one copy (only sampled rows reach it)."""
+@pytest.mark.parametrize("use_mkl", [True, False] if mkl_packed_linear_available() else [False])
+def test_panels_hand_prefill_sized_calls_to_their_library_copy(use_mkl):
+    """With ``gemm_from_rows``, calls of that many rows or more run on a library GEMM's
+    copy (what a prefill chunk gets: MKL's packed sgemm or oneDNN's packed linear),
+    smaller ones on the panels; both give the product. The output embedding keeps one
+    copy (only sampled rows reach it)."""
     torch.manual_seed(3)
     linear = nn.Linear(64, 48)
-    hybrid = PanelLinear(linear, OPS, onednn_from_rows=8)
-    assert hybrid.packed is not None and PanelLinear(linear, OPS).packed is None
-    for rows in (1, 7, 8, 33):
+    hybrid = PanelLinear(linear, OPS, gemm_from_rows=8, use_mkl=use_mkl)
+    assert isinstance(hybrid.gemm, MklPackedWeight if use_mkl else PackedLinear)
+    assert PanelLinear(linear, OPS).gemm is None
+    for rows in (1, 7, 8, 33, MKL_PACK_ROWS + 5):
         x = torch.randn(rows, 64)
         want = exact(x, linear).float()
         got = hybrid(x)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), rows
-        # below the threshold the panels ran, at or above it oneDNN did: bit for bit
+        # below the threshold the panels ran, at or above it the library did: bit for bit
         if rows < 8:
             ran = torch.empty(rows, 48)
             OPS.panel_linear(ran, x, hybrid.panels, hybrid.bias)
+        elif use_mkl:
+            ran = torch.ops.mkl._mkl_linear(x, hybrid.gemm.packed, linear.weight.detach(), hybrid.bias, rows)
         else:
-            ran = torch.ops.mkldnn._linear_pointwise(x, hybrid.packed, hybrid.bias, "none", [], "")
+            ran = torch.ops.mkldnn._linear_pointwise(x, hybrid.gemm.packed, hybrid.bias, "none", [], "")
         assert torch.equal(got, ran), rows
 
     class Tiny(nn.Module):
@@ -203,22 +216,41 @@ def test_panels_hand_prefill_sized_calls_to_their_onednn_copy():
             return self.head
 
     model = Tiny()
-    pack_linear_layers(model, OPS, onednn_from_rows=4)
-    assert model.proj.packed is not None and model.head.packed is None
+    pack_linear_layers(model, OPS, gemm_from_rows=4)
+    assert model.proj.gemm is not None and model.head.gemm is None
+    assert isinstance(model.proj.gemm, MklPackedWeight) == mkl_packed_linear_available()
     pack_free = Tiny()
     pack_linear_layers(pack_free, OPS)
-    assert pack_free.proj.packed is None
+    assert pack_free.proj.gemm is None
+
+
+@pytest.mark.skipif(not mkl_packed_linear_available(), reason="no MKL in this torch build")
+@pytest.mark.parametrize("in_features,out_features,bias", [(64, 48, True), (576, 960, False), (1536, 576, True)])
+def test_the_mkl_copy_serves_any_row_count(in_features, out_features, bias):
+    """MKL's copy is packed for MKL_PACK_ROWS rows; every call passes its own row count,
+    and the product is right at all of them (what the load-time check relies on), the
+    bias included, against the exact float64 product."""
+    torch.manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    gemm = MklPackedWeight(linear)
+    for rows in (0, 1, 2, 15, 100, 320, MKL_PACK_ROWS - 1, MKL_PACK_ROWS, 700):
+        x = torch.randn(rows, in_features)
+        got = gemm(x)
+        assert got.shape == (rows, out_features)
+        want = exact(x, linear)
+        err = (got.double() - want).abs()
+        assert (err <= 1e-5 * want.abs() + 1e-4).all(), (rows, err.max().item())
 
 
 @needs_kernels
 def test_the_worker_threshold_reaches_the_linears_and_is_validated(tiny_model_path):
     from cluster.config import EngineConfig
 
-    on = make_worker(tiny_model_path, cpu_onednn_from_rows=100)
+    on = make_worker(tiny_model_path, cpu_gemm_from_rows=100)
     panels = [m for m in on._runner.model.modules() if isinstance(m, PanelLinear)]
-    with_copy = [m for m in panels if m.packed is not None]
-    assert with_copy and all(m.onednn_from_rows == 100 for m in with_copy)
-    off = make_worker(tiny_model_path, cpu_onednn_from_rows=0)
-    assert all(m.packed is None for m in off._runner.model.modules() if isinstance(m, PanelLinear))
-    with pytest.raises(ValueError, match="cpu_onednn_from_rows"):
-        EngineConfig(cpu_onednn_from_rows=-1)
+    with_copy = [m for m in panels if m.gemm is not None]
+    assert with_copy and all(m.gemm_from_rows == 100 for m in with_copy)
+    off = make_worker(tiny_model_path, cpu_gemm_from_rows=0)
+    assert all(m.gemm is None for m in off._runner.model.modules() if isinstance(m, PanelLinear))
+    with pytest.raises(ValueError, match="cpu_gemm_from_rows"):
+        EngineConfig(cpu_gemm_from_rows=-1)

@@ -1,7 +1,7 @@
 """Prepacked weights for the model's linear layers on CPU.
 
 ``F.linear`` on CPU re-reads a row-major weight for every call; a weight reordered once
-into a layout its kernel streams runs the same matmul faster. Two packings:
+into a layout its kernel streams runs the same matmul faster. Three packings:
 
 - float32: column panels (``PanelLinear``, ``worker/panel_linear.cpp``): each run of 16
   output columns stored as one contiguous ``[K, 16]`` block, read once per block of up
@@ -9,13 +9,21 @@ into a layout its kernel streams runs the same matmul faster. Two packings:
   decode sizes a step is bound by reading the weights: SmolLM2's 30 layers and LM head
   take 30-32 ms at one row against 41-42 ms through oneDNN's packed linear, 38-41
   against 46-49 at 8 rows, 80 against 111 at 64 (the next panels prefetched while a
-  pair's later row blocks compute), level to 320 rows, but 8-11% behind it at 384-512
-  (long prefill chunks, bound by the FMA units): calls of ``onednn_from_rows`` rows or
-  more run on oneDNN's packed copy, kept beside the panels. Each panel output is one
-  chain of FMAs over k in order, so a row's result does not depend on the batch it is
-  in. The panel pairs are split over the threads in contiguous runs, a thread done
-  early taking the other's from the back (``worker/work_split.h``). Needs the CPU kernels (``worker/paged_attention.py`` builds them) and output
-  sizes that are multiples of 16; otherwise oneDNN's packing serves.
+  pair's later row blocks compute). From ~110 rows on (prefill chunks, bound by the FMA
+  units) a library GEMM over its own packed copy is ahead, so calls of
+  ``gemm_from_rows`` rows or more run there (``large_call_gemm``), kept beside the
+  panels. Each panel output is one chain of FMAs over k in order, so a row's result
+  does not depend on the batch it is in. The panel pairs are split over the threads in
+  contiguous runs, a thread done early taking the other's from the back
+  (``worker/work_split.h``). Needs the CPU kernels (``worker/paged_attention.py`` builds
+  them) and output sizes that are multiples of 16; otherwise oneDNN's packing serves.
+- float32, large calls: MKL's packed sgemm (``MklPackedWeight``: ``cblas_sgemm_pack``
+  and ``_compute`` through torch's ``mkl::_mkl_linear``, what inductor's freezing uses
+  for float32 linears on x86), where torch has MKL. SmolLM2's 30 layers, interleaved in
+  one process on this project's Xeon VM, ms at 512 / 384 / 256 / 128 rows: 392 / 308 /
+  198 / 104 against oneDNN's packed linear 453 / 365 / 253 / 137 and the panels 498 /
+  383 / 255 / 111; a 512-token prefill step 596 -> 549 ms. oneDNN's copy stands in
+  where MKL is missing or fails the load-time check.
 - oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
   into its blocked layout (what inductor's "freezing" does), 2-3.5x ``F.linear`` at 1-64
   rows in float32 on this project's machines (``tests/bench/worker_step.py``).
@@ -84,29 +92,83 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def mkl_packed_linear_available() -> bool:
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+
+
+#: The row count MKL's copy is packed for. Its packed B matrix serves any row count
+#: (``_mkl_gemm_serves_any_rows`` checks this at load: MKL documents the packing per
+#: call shape, and torch's op uses the packed copy only for calls of the packed size).
+MKL_PACK_ROWS = 512
+
+
+class MklPackedWeight:
+    """A float32 weight (and bias) packed for MKL's sgemm; called with ``rows`` [M, in]
+    (contiguous float32) it returns ``rows @ W^T + bias``."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        weight = linear.weight.detach().contiguous()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
+        # torch's op takes the original weight too, for its shape and dtype and for its
+        # fallback (``at::linear``) when a call's rows differ from the packed size.
+        # Every call here passes its own row count as that size, so the fallback never
+        # runs: a zero-stride view stands in for the weight (no second copy of it).
+        self.shape_only = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(rows, self.packed, self.shape_only, self.bias, rows.shape[0])
+
+
+def _mkl_gemm_serves_any_rows(probe: nn.Linear) -> bool:
+    """Whether MKL's packed copy of ``probe`` gives ``F.linear``'s answer at row counts
+    other than the one it was packed for (odd, small, and past it)."""
+    if not mkl_packed_linear_available() or probe.weight.dtype != torch.float32:
+        return False
+    rtol, atol = PACK_CHECK_TOLERANCE[torch.float32]
+    try:
+        gemm = MklPackedWeight(probe)
+        for rows in (1, 37, MKL_PACK_ROWS, MKL_PACK_ROWS + 19):
+            x = torch.randn(rows, probe.in_features)
+            if not torch.allclose(gemm(x), F.linear(x, probe.weight, probe.bias), rtol=rtol, atol=atol):
+                return False
+    except RuntimeError:
+        return False
+    return True
+
+
+def large_call_gemm(linear: nn.Linear, use_mkl: bool) -> Any:
+    """What a panel linear hands its calls of ``gemm_from_rows`` rows or more:
+    MKL's packed sgemm (``use_mkl``: checked at load), else oneDNN's packed linear."""
+    return MklPackedWeight(linear) if use_mkl else PackedLinear(linear)
+
+
 class PanelLinear(nn.Module):
     """A frozen float32 ``nn.Linear`` whose weight lives in column panels
     ``[out / 16, in, 16]``, run by the CPU kernel ``ops.panel_linear``.
 
-    With ``onednn_from_rows`` > 0 it also keeps oneDNN's packed copy of the weight and
-    runs calls of at least that many rows (long prefill chunks) there: the panels are
-    ahead while reading the weights bounds a call, oneDNN by 8-11% at 384-512 rows where
-    the FMA units do (``tests/bench/panel_linear.py``)."""
+    With ``gemm_from_rows`` > 0 it also keeps a library GEMM's packed copy of the
+    weight (``large_call_gemm``: MKL's with ``use_mkl``, else oneDNN's) and runs calls
+    of at least that many rows (prefill chunks) there: the panels are ahead while
+    reading the weights bounds a call, the library GEMM from ~110 rows on, where the FMA
+    units do (``tests/bench/panel_linear.py``)."""
 
-    def __init__(self, linear: nn.Linear, ops: Any, onednn_from_rows: int = 0) -> None:
+    def __init__(self, linear: nn.Linear, ops: Any, gemm_from_rows: int = 0, use_mkl: bool = False) -> None:
         super().__init__()
         self.ops = ops
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.panels = ops.pack_panels(linear.weight.detach().contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        self.onednn_from_rows = onednn_from_rows
-        self.packed = PackedLinear(linear).packed if onednn_from_rows > 0 else None
+        self.gemm_from_rows = gemm_from_rows
+        self.gemm = large_call_gemm(linear, use_mkl) if gemm_from_rows > 0 else None
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [M, in] (contiguous float32) @ W^T + bias."""
-        if self.packed is not None and rows.shape[0] >= self.onednn_from_rows:
-            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.gemm is not None and rows.shape[0] >= self.gemm_from_rows:
+            return self.gemm(rows)
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.ops.panel_linear(out, rows, self.panels, self.bias)
         return out
@@ -208,15 +270,16 @@ def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     return merged, [p.out_features for p in parts]
 
 
-def pack_linear_layers(model: nn.Module, panel_ops: Any = None, onednn_from_rows: int = 0) -> int:
+def pack_linear_layers(model: nn.Module, panel_ops: Any = None, gemm_from_rows: int = 0) -> int:
     """Swaps every CPU ``nn.Linear`` of ``model`` for a packed one (inference only; a
     merged linear shared by its slices is packed once): a ``PanelLinear`` where
     ``panel_ops`` (the CPU kernels) can run it, else a ``PackedLinear`` where this CPU
     packs its dtype (``packable_dtypes``). Returns how many it packed. The first one of
     each kind and dtype is checked against ``F.linear``; a kind that misbehaves is not
-    used (the layers stay as they are, or get the other kind). ``onednn_from_rows``
-    (> 0): panel linears keep oneDNN's copy too, for calls of that many rows or more
-    (not the output embedding: only sampled rows reach it)."""
+    used (the layers stay as they are, or get the other kind). ``gemm_from_rows``
+    (> 0): panel linears keep a library GEMM's copy too (MKL's where it serves every
+    shape of the model at any row count, else oneDNN's), for calls of that many rows or
+    more (not the output embedding: only sampled rows reach it)."""
     dtypes = packable_dtypes()
     targets = [
         (parent, name, child)
@@ -228,10 +291,13 @@ def pack_linear_layers(model: nn.Module, panel_ops: Any = None, onednn_from_rows
     if panel and not _packs_correctly(panel[0][2], lambda lin: PanelLinear(lin, panel_ops)):
         panel = []
     panel_ids = {id(t[2]) for t in panel}
-    if panel and onednn_from_rows > 0 and not (
-            torch.float32 in dtypes and _packs_correctly(panel[0][2])):
-        onednn_from_rows = 0  # no working float32 oneDNN packing here: panels at every size
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    use_mkl = False
+    if panel and gemm_from_rows > 0:
+        shapes = {(t[2].out_features, t[2].in_features): t[2] for t in panel if t[2] is not output_embedding}
+        use_mkl = bool(shapes) and all(_mkl_gemm_serves_any_rows(probe) for probe in shapes.values())
+        if not use_mkl and not (torch.float32 in dtypes and _packs_correctly(panel[0][2])):
+            gemm_from_rows = 0  # no working float32 library packing here: panels at every size
     onednn = [t for t in targets if id(t[2]) not in panel_ids and t[2].weight.dtype in dtypes]
     if onednn and not all(_packs_correctly(probe) for probe in _first_of_each_dtype(onednn)):
         onednn = []
@@ -239,8 +305,8 @@ def pack_linear_layers(model: nn.Module, panel_ops: Any = None, onednn_from_rows
     for parent, name, child in panel + onednn:
         if id(child) not in packed_by_id:
             if id(child) in panel_ids:
-                rows = 0 if child is output_embedding else onednn_from_rows
-                packed_by_id[id(child)] = PanelLinear(child, panel_ops, rows)
+                rows = 0 if child is output_embedding else gemm_from_rows
+                packed_by_id[id(child)] = PanelLinear(child, panel_ops, rows, use_mkl)
             else:
                 packed_by_id[id(child)] = PackedLinear(child)
         setattr(parent, name, packed_by_id[id(child)])

@@ -83,7 +83,7 @@ class ModelRunner:
                 from worker.paged_attention import load as load_cpu_kernels
 
                 panel_ops = load_cpu_kernels()
-            self.num_packed_linear = pack_linear_layers(self.model, panel_ops, config.cpu_onednn_from_rows)
+            self.num_packed_linear = pack_linear_layers(self.model, panel_ops, config.cpu_gemm_from_rows)
         hf = self.model.config
         try:
             check_attention_features(hf)

@@ -108,9 +108,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: (worker/panel_linear.cpp); off: oneDNN's packed linear for them too
     cpu_panel_linear: bool = True
     #: CPU only, with ``cpu_panel_linear``: float32 linears called with at least this
-    #: many rows (prefill chunks) run on oneDNN's packed copy of their weights, kept
-    #: beside the panels (those weights twice in memory); 0: panels at every size
-    cpu_onednn_from_rows: NonNegative = 320
+    #: many rows (prefill chunks) run on a library GEMM's packed copy of their weights
+    #: (MKL's sgemm, else oneDNN's), kept beside the panels (those weights twice in
+    #: memory); 0: panels at every size
+    cpu_gemm_from_rows: NonNegative = 128
     #: CPU only: decode attention with the paged kernel (worker/paged_attention.cpp);
     #: off, or where it cannot be built: the torch path (gather + SDPA)
     cpu_attention_kernel: bool = True

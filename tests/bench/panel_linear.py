@@ -1,4 +1,5 @@
-"""Float32 linears on CPU: our column-panel kernel against oneDNN's packed linear.
+"""Float32 linears on CPU: our column-panel kernel and MKL's packed sgemm against
+oneDNN's packed linear.
 
 Run: ``python tests/bench/panel_linear.py [--quick] [--rows 1 8 64 512]``.
 
@@ -7,8 +8,10 @@ q/k/v (960 x 576), the output projection (576 x 576), the merged gate/up (3072 x
 and the down projection (576 x 1536), then the LM head (49152 x 576). Every layer has
 its own random weights, so nothing stays in cache from one call to the next, as in a
 real step. For each row count M: one pass of x [M, in] through every layer with the
-weights as ``PanelLinear`` (``worker/panel_linear.cpp``) and as ``PackedLinear``
-(oneDNN's blocked layout, what ``cpu_panel_linear=False`` runs), the two interleaved
+weights as ``PanelLinear`` (``worker/panel_linear.cpp``), as ``MklPackedWeight`` (MKL's
+packed sgemm, what a panel linear hands calls of ``cpu_gemm_from_rows`` rows or more,
+where torch has MKL) and as ``PackedLinear`` (oneDNN's blocked layout, what
+``cpu_panel_linear=False`` runs, and the large calls' copy without MKL), interleaved
 round by round, median ms per pass. The LM head runs on 1 row per 8 at prefill sizes
 (M >= 256: only the rows that are sampled reach it, as in the engine).
 
@@ -31,7 +34,7 @@ from torch import nn  # noqa: E402
 
 from _results import Row, emit  # noqa: E402
 from worker import paged_attention  # noqa: E402
-from worker.cpu_linear import PackedLinear, PanelLinear  # noqa: E402
+from worker.cpu_linear import MklPackedWeight, PackedLinear, PanelLinear, mkl_packed_linear_available  # noqa: E402
 
 LAYERS = 30
 HIDDEN = 576
@@ -39,16 +42,20 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per lay
 VOCAB = 49152
 
 
-def build(ops, layers: int) -> tuple[list[PanelLinear | nn.Module], list[PackedLinear], PanelLinear, PackedLinear]:
+def build(ops, layers: int) -> dict[str, tuple[list, object]]:
+    """Each kind's layer stack and LM head, over the same random weights."""
     torch.manual_seed(0)
-    panels, packed = [], []
+    kinds = {"panels": lambda lin: PanelLinear(lin, ops), "oneDNN": PackedLinear}
+    if mkl_packed_linear_available():
+        kinds["MKL"] = MklPackedWeight
+    stacks: dict[str, list] = {name: [] for name in kinds}
     for _ in range(layers):
         for out_f, in_f in SHAPES:
             linear = nn.Linear(in_f, out_f, bias=False)
-            panels.append(PanelLinear(linear, ops))
-            packed.append(PackedLinear(linear))
+            for name, make in kinds.items():
+                stacks[name].append(make(linear))
     head = nn.Linear(HIDDEN, VOCAB, bias=False)
-    return panels, packed, PanelLinear(head, ops), PackedLinear(head)
+    return {name: (stacks[name], make(head)) for name, make in kinds.items()}
 
 
 def one_pass(stack, head, inputs: dict[int, torch.Tensor], head_rows: torch.Tensor) -> float:
@@ -74,25 +81,31 @@ def main() -> None:
     layers = 4 if args.quick else LAYERS
     rows_list = args.rows or ([1, 64] if args.quick else [1, 8, 64, 128, 256, 512])
     rounds = args.rounds or (3 if args.quick else 9)
-    panels, packed, head_p, head_o = build(ops, layers)
+    kinds = build(ops, layers)
+    names = list(kinds)  # panels, oneDNN[, MKL]
     print(f"{layers} layers + LM head, float32, {torch.get_num_threads()} threads, "
           f"ISAs {ops.panel_isas()}; median ms per pass over {rounds} rounds")
-    print(f"{'rows':>5} {'panels':>9} {'oneDNN':>9} {'ratio':>7}")
+    print(f"{'rows':>5} " + " ".join(f"{n:>9}" for n in names) + "   oneDNN/panels" + ("   oneDNN/MKL" if "MKL" in kinds else ""))
     rows: list[Row] = []
     with torch.inference_mode():
         for m in rows_list:
             inputs = {k: torch.randn(m, k) for k in {shape[1] for shape in SHAPES}}
             head_rows = inputs[HIDDEN][:: 8 if m >= 256 else 1].contiguous()
-            one_pass(panels, head_p, inputs, head_rows)  # warm-up: page in both
-            one_pass(packed, head_o, inputs, head_rows)
-            ours, theirs = [], []
-            for _ in range(rounds):
-                ours.append(one_pass(panels, head_p, inputs, head_rows))
-                theirs.append(one_pass(packed, head_o, inputs, head_rows))
-            a, b = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-            print(f"{m:>5} {a:>9.1f} {b:>9.1f} {b / a:>6.2f}x")
+            for stack, head in kinds.values():  # warm-up: page every copy in
+                one_pass(stack, head, inputs, head_rows)
+            times: dict[str, list[float]] = {n: [] for n in names}
+            for r in range(rounds):
+                for n in (names if r % 2 == 0 else names[::-1]):
+                    times[n].append(one_pass(*kinds[n], inputs, head_rows))
+            ms = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+            line = f"{m:>5} " + " ".join(f"{ms[n]:>9.1f}" for n in names) + f"   {ms['oneDNN'] / ms['panels']:>12.2f}x"
             rows.append(Row(f"{layers} layers + LM head, {m} rows: ms per pass, panels vs oneDNN packed",
-                            f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x"))
+                            f"{ms['panels']:.1f}", f"{ms['oneDNN']:.1f}", f"{ms['oneDNN'] / ms['panels']:.2f}x"))
+            if "MKL" in ms:
+                line += f"   {ms['oneDNN'] / ms['MKL']:>9.2f}x"
+                rows.append(Row(f"{layers} layers + LM head, {m} rows: ms per pass, MKL packed vs oneDNN packed",
+                                f"{ms['MKL']:.1f}", f"{ms['oneDNN']:.1f}", f"{ms['oneDNN'] / ms['MKL']:.2f}x"))
+            print(line)
     emit("panel_linear", rows)
 
 
