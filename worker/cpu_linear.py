@@ -125,18 +125,8 @@ class MklPackedWeight:
 def _mkl_gemm_serves_any_rows(probe: nn.Linear) -> bool:
     """Whether MKL's packed copy of ``probe`` gives ``F.linear``'s answer at row counts
     other than the one it was packed for (odd, small, and past it)."""
-    if not mkl_packed_linear_available() or probe.weight.dtype != torch.float32:
-        return False
-    rtol, atol = PACK_CHECK_TOLERANCE[torch.float32]
-    try:
-        gemm = MklPackedWeight(probe)
-        for rows in (1, 37, MKL_PACK_ROWS, MKL_PACK_ROWS + 19):
-            x = torch.randn(rows, probe.in_features)
-            if not torch.allclose(gemm(x), F.linear(x, probe.weight, probe.bias), rtol=rtol, atol=atol):
-                return False
-    except RuntimeError:
-        return False
-    return True
+    return (mkl_packed_linear_available() and probe.weight.dtype == torch.float32
+            and _packs_correctly(probe, MklPackedWeight, rows=(1, 37, MKL_PACK_ROWS, MKL_PACK_ROWS + 19)))
 
 
 def large_call_gemm(linear: nn.Linear, use_mkl: bool) -> Any:
@@ -242,18 +232,22 @@ def _first_of_each_dtype(targets: list[tuple[nn.Module, str, nn.Linear]]) -> lis
     return list(first.values())
 
 
-def _packs_correctly(probe: nn.Linear, pack: Any = None) -> bool:
+def _packs_correctly(probe: nn.Linear, pack: Any = None, rows: tuple[int, ...] = (3,)) -> bool:
     """Whether the packed op (``pack(probe)``, oneDNN's by default) gives
-    ``F.linear``'s answer for ``probe``."""
+    ``F.linear``'s answer for ``probe``, called with each of ``rows`` rows."""
     dtype = probe.weight.dtype
-    x = torch.randn(3, probe.in_features).to(dtype)
     rtol, atol = PACK_CHECK_TOLERANCE[dtype]
     try:
-        got = (pack or PackedLinear)(probe)(x)
+        packed = (pack or PackedLinear)(probe)
+        for m in rows:
+            x = torch.randn(m, probe.in_features).to(dtype)
+            got = packed(x)
+            want = F.linear(x, probe.weight, probe.bias)
+            if got.dtype != dtype or not torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol):
+                return False
     except RuntimeError:
         return False
-    want = F.linear(x, probe.weight, probe.bias)
-    return got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol)
+    return True
 
 
 def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:

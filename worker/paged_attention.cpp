@@ -173,9 +173,10 @@ inline void weighted_add(float* acc, float corr, const float* w, const float* v,
 }
 
 // max(s[0:n]) (-inf for n = 0; a NaN is passed over, as std::max(mx, s[t]) does: MAXPS
-// returns its second operand, the running max, when the first is NaN). Four independent max chains on the vector path: a
-// scalar loop is one chain of dependent maxes, ~4 cycles a position, and was ~14% of a
-// decode's kernel time (the running max of every query row, every tile).
+// returns its second operand, the running max, when the first is NaN). Four independent
+// max chains on the vector path: a scalar loop is one chain of dependent maxes, ~4
+// cycles a position, and was ~14% of a decode's kernel time (the running max of every
+// query row, every tile).
 inline float max_of(const float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
