@@ -23,18 +23,6 @@ logger = logging.getLogger("raydecode")
 #: How long processes get to exit after SIGTERM before SIGKILL.
 GRACE_S = 5.0
 
-#: Ray settings for a local Ray this module starts (``ray_init_kwargs``'s own
-#: ``_system_config`` entries win). ``num_workers_soft_limit`` 0: the raylet keeps no
-#: idle worker processes. By default it keeps one per CPU, and on a small machine the
-#: one our worker actor did not take (``ray::IDLE``) wakes ~150 times a second,
-#: taking ~1% of a core. Worse, it preempts one of the worker's two OpenMP threads,
-#: and the other then waits at the next barrier. One 512-token prompt's forward in the
-#: actor (medians of 16 steps, six alternating pairs): the soft limit lower in five of
-#: them, by ~2% on average; the time to the first answer was unchanged. The cost: Ray
-#: tasks someone runs on this Ray start their worker processes afresh after a second
-#: idle.
-OWN_RAY_SYSTEM_CONFIG: dict[str, Any] = {"num_workers_soft_limit": 0}
-
 
 class RaySession:
     _lock = threading.Lock()
@@ -52,8 +40,6 @@ class RaySession:
                 owns = cls._owners > 0  # an engine of this process started it
             else:
                 kwargs = {"include_dashboard": False, "log_to_driver": False, **(init_kwargs or {})}
-                if address is None:
-                    kwargs["_system_config"] = {**OWN_RAY_SYSTEM_CONFIG, **kwargs.get("_system_config", {})}
                 # No address means a Ray of our own: plain ray.init() would join the
                 # last cluster anyone started on this machine.
                 ray.init(address=address or "local", **kwargs)
