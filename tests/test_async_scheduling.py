@@ -28,7 +28,7 @@ from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
 from sampler.params import SamplingParams
 from test_scheduler import TOKENIZER, ShadowWorker
-from worker.protocol import PROTOCOL_VERSION, Int32Array, StepReply
+from worker.transport.protocol import PROTOCOL_VERSION, Int32Array, StepReply
 
 STOP_TOKEN = 5
 MAX_MODEL_LEN = 96

@@ -87,13 +87,13 @@ def _engine_actions(command: str) -> dict[str, object]:
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_every_engine_config_field_is_a_flag_with_its_doc(command):
     """Flags come from EngineConfig itself: a new field without a ``#:`` comment fails here."""
-    import dataclasses
+    import msgspec
 
     from cluster.config import EngineConfig
 
     docs = config_docs(EngineConfig)
     actions = _engine_actions(command)
-    for f in dataclasses.fields(EngineConfig):
+    for f in msgspec.structs.fields(EngineConfig):
         assert docs.get(f.name), f"EngineConfig.{f.name} has no #: doc comment"
         assert f.name in actions, f"no flag for EngineConfig.{f.name}"
         assert actions[f.name].help.startswith(docs[f.name].replace("%", "%%")), f.name

@@ -16,7 +16,7 @@ from torch import nn
 
 from sampler.params import SamplingParams
 from test_model_runner import make_worker, prompts
-from worker.cpu_linear import (
+from worker.cpu.packed_linear import (
     MKL_PACK_ROWS,
     MklPackedWeight,
     PackedLinear,
@@ -25,7 +25,7 @@ from worker.cpu_linear import (
     pack_linear_layers,
     packable_dtypes,
 )
-from worker.paged_attention import load as load_cpu_kernels
+from worker.cpu.kernels import load as load_cpu_kernels
 from worker_driver import MiniDriver, greedy_divergence
 
 OPS = load_cpu_kernels()
@@ -144,7 +144,7 @@ def test_bfloat16_worker_runs_packed_and_follows_the_float32_model(tiny_model_pa
 
     w = make_worker(tiny_model_path, dtype="bfloat16")
     assert w._runner.loaded.dtype == torch.bfloat16
-    assert w._runner.num_packed_linear > 0
+    assert w._runner.backend.num_packed_linear > 0
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     ps = prompts(400, [3, 70, 17, 40, 5, 33], seed=4)
     driver = MiniDriver(w.step, max_rows=4, token_budget=48, chunk=16)

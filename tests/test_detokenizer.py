@@ -24,7 +24,7 @@ def tiny_tok(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    from worker.model_loader import default_model_path
+    from worker.runner.model_loader import default_model_path
 
     return AutoTokenizer.from_pretrained(str(default_model_path()))
 

@@ -41,7 +41,7 @@ from cluster.output_processor import apply_reply
 from conftest import start_local_ray
 from sampler.params import SamplingParams
 from test_model_runner import prompts
-from worker.step_channel import shutdown_connection
+from worker.transport.step_channel import shutdown_connection
 
 VOCAB = 400
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

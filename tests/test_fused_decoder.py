@@ -16,7 +16,7 @@ import torch
 from sampler.params import SamplingParams
 from test_model_runner import make_worker, prompts
 from tiny_model import build_tiny_model
-from worker.paged_attention import load as load_cpu_kernels
+from worker.cpu.kernels import load as load_cpu_kernels
 from worker_driver import MiniDriver
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels cannot be built here")
@@ -34,7 +34,7 @@ def run_both_ways(path: str, tol: float, **config) -> tuple[int, float]:
     the transformers logits, so both see the same history."""
     w = make_worker(path, **config)
     runner = w._runner
-    fused = runner.fused
+    fused = runner.backend.decoder
     assert fused is not None, "the fused path should apply to this model"
     model = runner.model
     worst = [0, 0.0]
@@ -50,7 +50,7 @@ def run_both_ways(path: str, tol: float, **config) -> tuple[int, float]:
         worst[1] = max(worst[1], diff)
         return ref
 
-    runner.fused = type("Both", (), {"forward": staticmethod(both)})()
+    runner.backend.decoder = type("Both", (), {"forward": staticmethod(both)})()
     # Chunks of 16 (batched attention rows) and 40 (prefill rows continuing a cached
     # prompt); prompts longer than the mistral window (24).
     driver = MiniDriver(w.step, max_rows=4, token_budget=56, chunk=40)
@@ -89,7 +89,7 @@ def test_merged_projections_compute_the_models_own_projections(tmp_path_factory)
     runner = make_worker(path)._runner
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     x = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    for layer, ref, fused in zip(runner.model.model.layers, reference.model.layers, runner.fused.layers):
+    for layer, ref, fused in zip(runner.model.model.layers, reference.model.layers, runner.backend.decoder.layers):
         assert len(fused.qkv) == 1 and len(fused.gate_up) == 1, "the fused layer should run the merged linears"
         for parent, ref_parent, names in ((layer.self_attn, ref.self_attn, ("q_proj", "k_proj", "v_proj")),
                                           (layer.mlp, ref.mlp, ("gate_proj", "up_proj"))):
@@ -99,7 +99,7 @@ def test_merged_projections_compute_the_models_own_projections(tmp_path_factory)
 
 @pytest.mark.parametrize(("arch", "config"), [("gemma2", {}), ("llama", {"cpu_fused_decoder": False})])
 def test_other_families_and_the_switch_keep_the_transformers_forward(tmp_path_factory, arch, config):
-    assert make_worker(tiny(tmp_path_factory, arch), **config)._runner.fused is None
+    assert make_worker(tiny(tmp_path_factory, arch), **config)._runner.backend.decoder is None
 
 
 def test_layer_ops_refuse_bad_arguments():

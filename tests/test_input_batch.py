@@ -37,9 +37,9 @@ from sampler.logits_processor import (
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
-from worker.input_batch import InputBatch
-from worker.kv_cache import PagedKVCache
-from worker.protocol import (
+from worker.runner.input_batch import InputBatch
+from worker.runner.kv_pool import PagedKVCache
+from worker.transport.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
     Int32Array,

@@ -8,8 +8,8 @@ import psutil
 import torch
 
 from cluster.config import EngineConfig
-from worker.kv_cache import PagedKVCache
-from worker.protocol import WorkerConfig
+from worker.runner.kv_pool import PagedKVCache
+from worker.config import WorkerConfig
 
 MIB = 2**20
 

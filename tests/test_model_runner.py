@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sampler.params import SamplingParams
-from worker.actor import Worker
-from worker.model_loader import ModelLoadError, load_model
-from worker.protocol import WorkerConfig
+from worker.transport.actor import Worker
+from worker.runner.model_loader import ModelLoadError, load_model
+from worker.config import WorkerConfig
 from worker_driver import MiniDriver, Req, greedy_divergence
 
 NEAR_TIE = 1e-4

@@ -15,9 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker import kv_cache
-from worker.kv_cache import AttentionPlan, PagedKVCache, _batched_by_gathering
-from worker.paged_attention import CpuPagedKernel, load
+from worker.cpu.kernels import load
+from worker.cpu.paged_attention import CpuPagedKernel
+from worker.runner.attention import _batched_by_gathering, attend_cached
+from worker.runner.attention_plan import AttentionPlan
+from worker.runner.kv_pool import PagedKVCache
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler: the kernel cannot be built here")
 #: the instruction sets the prefill (lanes) path can take on this CPU: each is tested
@@ -129,24 +131,19 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
     qkv = torch.randn(int(n_tok.sum()), (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q = qkv[:, : heads * dim].view(-1, heads, dim)  # the fused decoder's layout
     assert not q.is_contiguous()
-    saved, saved_queries = kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES
-    try:
-        kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES = CpuPagedKernel(load()), queries
-        plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
-        assert plan.kernel_rows is not None
-        with tiled_isa(isa):
-            got = kv_cache.attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
-        # the reference runs in float32 on the same values: a bf16 torch path rounds its
-        # own intermediates and is no more exact than the kernel it would judge
-        kv_cache.cpu_kernel = None
-        exact = PagedKVCache(1, num_blocks, block, kv_heads, dim, torch.float32, torch.device("cpu"))
-        exact.keys[0].copy_(cache.keys[0].float())
-        exact.values[0].copy_(cache.values[0].float())
-        plan = AttentionPlan.build(exact, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
-        assert plan.kernel_rows is None
-        want = kv_cache.attend_cached(q.float(), plan, 0, dim ** -0.5, window, softcap)
-    finally:
-        kv_cache.cpu_kernel, kv_cache.KERNEL_PREFILL_QUERIES = saved, saved_queries
+    kernel = CpuPagedKernel(load(), prefill_queries=queries)
+    plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"), kernel)
+    assert plan.kernel_rows is not None
+    with tiled_isa(isa):
+        got = attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
+    # the reference runs in float32 on the same values: a bf16 torch path rounds its
+    # own intermediates and is no more exact than the kernel it would judge
+    exact = PagedKVCache(1, num_blocks, block, kv_heads, dim, torch.float32, torch.device("cpu"))
+    exact.keys[0].copy_(cache.keys[0].float())
+    exact.values[0].copy_(cache.values[0].float())
+    plan = AttentionPlan.build(exact, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
+    assert plan.kernel_rows is None
+    want = attend_cached(q.float(), plan, 0, dim ** -0.5, window, softcap)
     assert got.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (2**-8 relative)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -160,17 +157,12 @@ def test_greedy_output_with_the_kernel_equals_the_torch_path(tiny_model_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = []
     for kernel in (True, False):
-        w = make_worker(tiny_model_path, num_spec_tokens=2)
-        saved = kv_cache.cpu_kernel
-        kv_cache.cpu_kernel = saved if kernel else None
-        try:
-            assert (kv_cache.cpu_kernel is not None) == kernel
-            d = MiniDriver(w.step, max_rows=4, token_budget=48, chunk=16)
-            for i, p in enumerate(prompts(400, [3, 40, 17, 90, 5, 60], seed=5)):
-                d.submit(f"r{i}", p, greedy, arrival_step=i)
-            done = d.run()
-        finally:
-            kv_cache.cpu_kernel = saved
+        w = make_worker(tiny_model_path, num_spec_tokens=2, cpu_attention_kernel=kernel)
+        assert (w._runner.backend.attention_kernel is not None) == kernel
+        d = MiniDriver(w.step, max_rows=4, token_budget=48, chunk=16)
+        for i, p in enumerate(prompts(400, [3, 40, 17, 90, 5, 60], seed=5)):
+            d.submit(f"r{i}", p, greedy, arrival_step=i)
+        done = d.run()
         results.append({rid: (r.output, [v for _, vals, _ in r.logprobs for v in vals]) for rid, r in done.items()})
     with_kernel, torch_path = results
     for rid in torch_path:

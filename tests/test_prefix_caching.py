@@ -16,7 +16,7 @@ from cluster import LLM
 from sampler.params import SamplingParams
 from test_model_runner import assert_greedy_equal, generate, prompts
 from tiny_model import build_tiny_model
-from worker.model_loader import ModelLoadError
+from worker.runner.model_loader import ModelLoadError
 
 VOCAB = 400
 BS = 16

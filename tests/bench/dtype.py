@@ -39,8 +39,8 @@ from _results import Row, cpu_model, emit  # noqa: E402
 from e2e import build_workload, corpus_tokens  # noqa: E402
 from cluster import LLM  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
-from worker.cpu_linear import packable_dtypes  # noqa: E402
-from worker.model_loader import default_model_path  # noqa: E402
+from worker.cpu.packed_linear import packable_dtypes  # noqa: E402
+from worker.runner.model_loader import default_model_path  # noqa: E402
 
 SETTINGS = {"num_workers": 1, "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048,
             "enable_prefix_caching": False}

@@ -61,7 +61,7 @@ from _results import Row, cpu_model, emit  # noqa: E402
 from cluster.engine import StepStats  # noqa: E402
 from cluster.llm import LLM  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
-from worker.model_loader import default_model_path  # noqa: E402
+from worker.runner.model_loader import default_model_path  # noqa: E402
 
 STATIC_BATCH = 16
 TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 50

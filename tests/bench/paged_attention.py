@@ -6,7 +6,7 @@ row ``L`` tokens deep, blocks of 16 scattered over the pool:
 
 - kernel: the compiled CPU kernel (``worker/paged_attention.cpp``) reading the blocks in
   place;
-- gather: the torch path (``worker/kv_cache._batched_by_gathering``: copy each row's
+- gather: the torch path (``worker/runner/attention._batched_by_gathering``: copy each row's
   blocks out of the pool, then one SDPA call), the reference and the fallback;
 - dense: SDPA over keys already contiguous per row (``[B, kv_heads, L, D]``), which is
   what the pre-paged cache gave the attention; the floor of the layout we left.
@@ -32,10 +32,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _results import Row, emit  # noqa: E402
 from _timing import time_side_by_side  # noqa: E402
 
-from worker.kv_cache import (  # noqa: E402
-    KERNEL_PREFILL_QUERIES, AttentionPlan, KernelRows, PagedKVCache, _batched_by_gathering,
-)
-from worker.paged_attention import CpuPagedKernel, load  # noqa: E402
+from worker.cpu.kernels import load  # noqa: E402
+from worker.cpu.paged_attention import PREFILL_QUERIES as KERNEL_PREFILL_QUERIES, CpuPagedKernel  # noqa: E402
+from worker.runner.attention import _batched_by_gathering  # noqa: E402
+from worker.runner.attention_plan import AttentionPlan, KernelRows  # noqa: E402
+from worker.runner.kv_pool import PagedKVCache  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 

@@ -33,8 +33,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _results import Row, emit  # noqa: E402
-from worker import paged_attention  # noqa: E402
-from worker.cpu_linear import MklPackedWeight, PackedLinear, PanelLinear, mkl_packed_linear_available  # noqa: E402
+from worker.cpu import kernels  # noqa: E402
+from worker.cpu.packed_linear import MklPackedWeight, PackedLinear, PanelLinear, mkl_packed_linear_available  # noqa: E402
 
 LAYERS = 30
 HIDDEN = 576
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=None)
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
-    ops = paged_attention.load()
+    ops = kernels.load()
     if ops is None or not hasattr(ops, "panel_linear"):
         print("the CPU kernels could not be built here: nothing to compare")
         emit("panel_linear", [], notes=["the CPU kernels could not be built"])

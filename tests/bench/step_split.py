@@ -53,7 +53,7 @@ from cluster.engine import StepStats  # noqa: E402
 from cluster.llm import LLM  # noqa: E402
 from e2e import corpus_tokens  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
-from worker.model_loader import default_model_path  # noqa: E402
+from worker.runner.model_loader import default_model_path  # noqa: E402
 
 TARGET = 0.05
 PARTS = [  # (label, StepStats attribute)
@@ -93,8 +93,8 @@ class Echo:
         return self.reply
 
     def open_channel(self):
-        from worker.compute_thread import ComputeThread
-        from worker.step_channel import StepChannelServer
+        from worker.transport.compute_thread import ComputeThread
+        from worker.transport.step_channel import StepChannelServer
 
         self.compute = ComputeThread()
         self.server = StepChannelServer(lambda conn: self.compute.attach(conn, self.step), "127.0.0.1")
@@ -109,7 +109,7 @@ def transports(message: bytes, reply: bytes, calls: int) -> dict[str, tuple[floa
     and actor use above idle while it is called every 50 ms)."""
     import psutil
 
-    from worker.step_channel import StepChannel, wait_ready
+    from worker.transport.step_channel import StepChannel, wait_ready
 
     actor = ray.remote(num_cpus=0)(Echo).remote(reply)
     processes = [psutil.Process(), psutil.Process(ray.get(actor.pid.remote()))]

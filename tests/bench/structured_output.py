@@ -37,7 +37,7 @@ from sampler.metadata import SamplingMetadata  # noqa: E402
 from sampler.params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from sampler.rejection_sampler import RejectionSampler  # noqa: E402
 from sampler.sampler import Sampler  # noqa: E402
-from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor  # noqa: E402
+from worker.runner.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor  # noqa: E402
 
 BATCH = 64
 SCHEMA = {
@@ -65,7 +65,7 @@ def load_tokenizer(quick: bool):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(build_tiny_model(tempfile.mkdtemp()))
-    from worker.model_loader import load_tokenizer as load
+    from worker.runner.model_loader import load_tokenizer as load
 
     return load(None)[0]
 

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from _results import Row, emit  # noqa: E402
 from cluster.llm import LLM  # noqa: E402
 from e2e import Req, Result, corpus_tokens, generate_padded, guarded, run_cb, run_ours  # noqa: E402
-from worker.model_loader import default_model_path  # noqa: E402
+from worker.runner.model_loader import default_model_path  # noqa: E402
 
 SYSTEMS = ("ours (LLM.generate)", "model.generate (static batch)", "generate_batch CB manager")
 

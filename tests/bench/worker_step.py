@@ -33,16 +33,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from _results import Row, emit  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
-from worker.actor import create_worker, decode_info  # noqa: E402
-from worker.model_loader import default_model_path  # noqa: E402
-from worker.protocol import (  # noqa: E402
+from worker.transport.actor import create_worker, decode_info  # noqa: E402
+from worker.runner.model_loader import default_model_path  # noqa: E402
+from worker.transport.protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,
     Int32Array,
     StepRequest,
-    WorkerConfig,
 )
+from worker.config import WorkerConfig  # noqa: E402
 
 N = 32
 TARGETS = {1: 1.0, 32: 1.5}

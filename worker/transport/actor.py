@@ -22,9 +22,10 @@ import msgspec
 import ray
 import torch
 
-from worker.compute_thread import ComputeThread
-from worker.protocol import Codec, WorkerConfig, WorkerInfo
-from worker.step_channel import ChannelAddress, StepChannelServer, channel_host
+from worker.transport.compute_thread import ComputeThread
+from worker.config import WorkerConfig
+from worker.transport.protocol import Codec, WorkerInfo
+from worker.transport.step_channel import ChannelAddress, StepChannelServer, channel_host
 
 
 class StaleStep(RuntimeError):
@@ -71,11 +72,11 @@ class Worker:
         return self._run(self._load, config)
 
     def _load(self, config: bytes | WorkerConfig) -> bytes:
-        from worker.model_runner import ModelRunner
+        from worker.runner.model_runner import ModelRunner
 
         if isinstance(config, (bytes, bytearray)):
             config = msgspec.msgpack.decode(config, type=WorkerConfig)
-        threads = config.num_threads or _assigned_cpus()
+        threads = config.worker_num_threads or _assigned_cpus()
         if threads:
             # Ray starts actors with OMP_NUM_THREADS=num_cpus, but torch may have been
             # initialised before; say it explicitly.

@@ -15,26 +15,25 @@ import time
 import numpy as np
 import torch
 
-from sampler.config import SamplerConfig
 from sampler.logits_processor.interface import LogitsProcessorError
 from sampler.logits_processor.loading import build_logitsprocs
 from sampler.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
-from worker.input_batch import NO_LOGPROBS, InputBatch
-from worker.cpu_linear import pack_linear_layers
-from worker.fused_decoder import FusedDecoder, fused_decoder_applies, merge_projections
-from worker.kv_cache import (
+from worker.runner.attention import (
     ATTENTION_NAME,
-    AttentionPlan,
-    PagedKVCache,
     UnsupportedAttention,
     check_attention_features,
-    concat_ranges,
+    register_paged_attention,
 )
-from worker.model_loader import LoadedModel, ModelLoadError, load_model
-from worker.ngram_proposer import NgramProposer
-from worker.protocol import (
+from worker.runner.attention_plan import AttentionPlan, concat_ranges
+from worker.runner.backend import choose_backend
+from worker.runner.input_batch import NO_LOGPROBS, InputBatch
+from worker.runner.kv_pool import PagedKVCache
+from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
+from worker.runner.ngram_proposer import NgramProposer
+from worker.config import WorkerConfig
+from worker.transport.protocol import (
     PROTOCOL_VERSION,
     Float32Array,
     Int32Array,
@@ -42,10 +41,9 @@ from worker.protocol import (
     StepReply,
     StepRequest,
     StepTimings,
-    WorkerConfig,
     WorkerInfo,
 )
-from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
+from worker.runner.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
 
 logger = logging.getLogger("raydecode")
 
@@ -57,92 +55,82 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
+        self.loaded = self._load_model(config)
+        self.model, self.device = self.loaded.model, self.loaded.device
+        self.max_model_len = self.loaded.max_model_len
+        self.backend = choose_backend(self.model, self.device, config)
+        self.kv = self._allocate_kv_pool(config)
+        self.sampler_config = config.sampler_config(self.loaded.vocab_size)
+        self.reasoning = self._reasoning_config(config)
+        # Structured outputs: grammars compile on first use; the cache outlives resets.
+        self.grammar_compiler = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
+        self.batch = self._new_batch()
+        self.sampler = Sampler(self.sampler_config, in_place=True)
+        self.rejection_sampler = RejectionSampler(self.sampler_config)
+        self.proposer = (
+            NgramProposer(config.num_spec_tokens, config.ngram_min, config.ngram_max) if config.num_spec_tokens else None
+        )
+        self.timings = StepTimings()
+        self.info = self._worker_info()
+        self._probe_attention()
+
+    # -- the steps of loading ---------------------------------------------------------
+
+    @staticmethod
+    def _load_model(config: WorkerConfig) -> LoadedModel:
+        """The model through transformers, its attention the paged one (refused at once,
+        naming the feature, when it needs one the paged path does not implement)."""
+        register_paged_attention()
         loaded = load_model(
             config.model, device=config.device, dtype=config.dtype,
             attn_implementation=ATTENTION_NAME, max_model_len=config.max_model_len,
             trust_remote_code=config.trust_remote_code,
         )
-        self.loaded: LoadedModel = loaded
-        self.model = loaded.model
-        self.device = loaded.device
-        # Llama-shaped models on CPU: the fused decoder path (the transformers forward
-        # otherwise, and as its reference), its projections merged before packing.
-        fused_ops = None
-        if self.device.type == "cpu" and config.cpu_fused_decoder:
-            from worker.paged_attention import load as load_cpu_kernels
-
-            fused_ops = load_cpu_kernels()
-            if fused_decoder_applies(self.model, fused_ops):
-                merge_projections(self.model)
-            else:
-                fused_ops = None
-        self.num_packed_linear = 0
-        if self.device.type == "cpu" and config.cpu_packed_linear:
-            panel_ops = None
-            if config.cpu_panel_linear:
-                from worker.paged_attention import load as load_cpu_kernels
-
-                panel_ops = load_cpu_kernels()
-            self.num_packed_linear = pack_linear_layers(self.model, panel_ops, config.cpu_gemm_from_rows)
-        hf = self.model.config
         try:
-            check_attention_features(hf)
+            check_attention_features(loaded.model.config)
         except UnsupportedAttention as exc:
             raise ModelLoadError(f"{loaded.name}: {exc}") from None
-        self.max_model_len = max_len = loaded.max_model_len
+        return loaded
+
+    def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
+        """The KV pool, sized from what memory is left after the model (and logged)."""
+        hf = self.model.config
         layers = hf.num_hidden_layers
         heads = hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        rows = config.max_num_seqs
         bs = config.kv_block_size
-        per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, loaded.dtype)
-        num_blocks = self._num_kv_blocks(config, per_block, rows, max_len, loaded)
-        self.kv = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, loaded.dtype, self.device,
-                               prefault=config.kv_cache_prefault)
-        if self.device.type == "cpu" and config.cpu_attention_kernel:
-            from worker.paged_attention import enable
-
-            enable()
-        self.fused = FusedDecoder(self.model, fused_ops) if fused_ops is not None else None
+        per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, self.loaded.dtype)
+        num_blocks = self._num_kv_blocks(config, per_block, self.max_model_len, self.loaded)
         logger.warning(
             "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs,
             num_blocks * per_block / 2**30,
         )
-        self.sampler_config = SamplerConfig(
-            vocab_size=loaded.vocab_size, max_num_seqs=rows,
-            num_spec_tokens=config.num_spec_tokens, max_logprobs=config.max_logprobs,
-            logprobs_mode=config.logprobs_mode, logits_processors=list(config.logits_processors),
-        )
-        self.reasoning: ReasoningConfig | None = None
-        if config.reasoning_start or config.reasoning_end:
-            if not (config.reasoning_start and config.reasoning_end):
-                raise ModelLoadError("reasoning_start and reasoning_end go together")
-            self.reasoning = ReasoningConfig.from_strings(
-                config.reasoning_start, config.reasoning_end, loaded.tokenizer
-            )
-        # Structured outputs: grammars compile on first use; the cache outlives resets.
-        self.grammar_compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-        self.batch = self._new_batch()
-        self.sampler = Sampler(self.sampler_config, in_place=True)
-        self.rejection_sampler = RejectionSampler(self.sampler_config)
-        self.proposer = (
-            NgramProposer(config.num_spec_tokens, config.ngram_min, config.ngram_max)
-            if config.num_spec_tokens else None
-        )
-        self.timings = StepTimings()
-        self.info = WorkerInfo(
+        return PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, self.loaded.dtype, self.device,
+                            prefault=config.kv_cache_prefault)
+
+    def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
+        """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
+        if not (config.reasoning_start or config.reasoning_end):
+            return None
+        if not (config.reasoning_start and config.reasoning_end):
+            raise ModelLoadError("reasoning_start and reasoning_end go together")
+        return ReasoningConfig.from_strings(config.reasoning_start, config.reasoning_end, self.loaded.tokenizer)
+
+    def _worker_info(self) -> WorkerInfo:
+        loaded, kv = self.loaded, self.kv
+        return WorkerInfo(
             model_name=loaded.name, device=str(self.device), dtype=str(loaded.dtype).removeprefix("torch."),
             vocab_size=loaded.vocab_size, eos_token_ids=loaded.eos_token_ids,
-            max_model_len=max_len, max_num_seqs=rows, kv_cache_bytes=num_blocks * per_block,
-            num_spec_tokens=config.num_spec_tokens, num_kv_blocks=num_blocks, kv_block_size=bs,
+            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs, kv_cache_bytes=kv.num_bytes,
+            num_spec_tokens=self.config.num_spec_tokens, num_kv_blocks=kv.num_blocks, kv_block_size=kv.block_size,
         )
-        self._probe_attention()
 
     @staticmethod
-    def _num_kv_blocks(config: WorkerConfig, per_block: int, rows: int, max_len: int, loaded: LoadedModel) -> int:
+    def _num_kv_blocks(config: WorkerConfig, per_block: int, max_len: int, loaded: LoadedModel) -> int:
         """The pool's size: ``kv_cache_tokens`` when given; else what the memory
         budget holds, at most enough for every row at ``max_model_len`` (and its drafts)."""
+        rows = config.max_num_seqs
         bs = config.kv_block_size
         if config.kv_cache_tokens is not None:
             return -(-config.kv_cache_tokens // bs)
@@ -159,7 +147,8 @@ class ModelRunner:
         """One token through the model at load: an attention feature the paged path
         does not implement is refused now, naming it, not met on a request."""
         plan = AttentionPlan.build(
-            self.kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device
+            self.kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device,
+            self.backend.attention_kernel,
         )
         try:
             with torch.inference_mode():
@@ -205,7 +194,8 @@ class ModelRunner:
         num_drafts = self._propose_drafts(rows, count, samples)
         count += num_drafts
 
-        plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device)
+        plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device,
+                                   self.backend.attention_kernel)
         starts = plan.starts
         input_ids = batch.token_ids[plan.host_token_rows, plan.host_token_positions]
         input_ids = torch.from_numpy(input_ids).to(self.device)
@@ -223,8 +213,8 @@ class ModelRunner:
         keep_t = torch.from_numpy(np.concatenate(keep)).to(self.device)
         t1 = time.perf_counter()
 
-        if self.fused is not None:
-            logits = self.fused.forward(input_ids, position_ids, plan, keep_t)
+        if self.backend.decoder is not None:
+            logits = self.backend.decoder.forward(input_ids, position_ids, plan, keep_t)
         else:
             logits = self.model(
                 input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),

@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.cpu_linear import LinearSlice, PackedLinear, PanelLinear, merge_linears, merged_parts
-from worker.kv_cache import AttentionPlan, attend_cached
+from worker.cpu.packed_linear import LinearSlice, PackedLinear, PanelLinear, merge_linears, merged_parts
+
+if TYPE_CHECKING:
+    from worker.runner.attention_plan import AttentionPlan
 
 logger = logging.getLogger("raydecode")
 
@@ -79,7 +81,7 @@ def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], lis
 
 def merge_projections(model: nn.Module) -> int:
     """Merges each layer's q, k, v and its gate, up projections into one linear each
-    (``worker.cpu_linear.merge_linears``); the number of groups merged. Run before the
+    (``worker.cpu.packed_linear.merge_linears``); the number of groups merged. Run before the
     linears are packed."""
     merged = 0
     for layer in model.model.layers:
@@ -165,7 +167,7 @@ class FusedDecoder:
                 x = self.rms_norm(out, layer.input_norm, layer.input_eps, residual=h)
             q, k, v = projections(x, layer.qkv, layer.qkv_sizes)
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
-            a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window, None)
+            a = plan.attend(q.view(tokens, -1, head_dim), index, layer.scaling, layer.sliding_window, None)
             x = self.rms_norm(linear(a.reshape(tokens, -1), layer.o_proj), layer.post_norm, layer.post_eps, residual=h)
             out = self.mlp(x, layer)
         h.add_(out)

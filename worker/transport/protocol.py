@@ -75,55 +75,6 @@ EMPTY_F32 = Float32Array(b"")
 # -- loading ---------------------------------------------------------------------------
 
 
-class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """How a worker loads its model and sizes its batch (sent once, at load)."""
-
-    model: str | None = None  # local path, hub id, .gguf file; None: the embedded default
-    device: str | None = None  # None: cuda when the actor has a GPU, else cpu
-    dtype: str | None = None  # None/auto: float32 on CPU, bf16/fp16 on CUDA
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
-    max_model_len: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    #: tokens per KV block
-    kv_block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
-    #: the KV pool in tokens (overrides the memory-based size)
-    kv_cache_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    #: KV-cache budget in bytes; None: on CUDA from ``gpu_memory_utilization``, on CPU a
-    #: quarter of RAM (the driver normally sends the worker's share of its node)
-    kv_cache_memory_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    #: CPU: commit the KV pool's pages at load instead of on first use
-    kv_cache_prefault: bool = False
-    #: CUDA: the share of the GPU's memory this worker may use (model, activations, KV)
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    num_spec_tokens: NonNegative = 0  # n-gram drafts per decode step; 0: off
-    ngram_min: Annotated[int, msgspec.Meta(ge=1)] = 1
-    ngram_max: Annotated[int, msgspec.Meta(ge=1)] = 4
-    max_logprobs: Annotated[int, msgspec.Meta(ge=-1)] = 20
-    logprobs_mode: str = "raw_logprobs"
-    logits_processors: list[str] = []  # "module:Qualname", server configuration only
-    reasoning_start: str | None = None  # thinking-budget markers, tokenized by the worker
-    reasoning_end: str | None = None
-    #: CPU only: run linear layers with prepacked oneDNN weights (worker/cpu_linear.py).
-    cpu_packed_linear: bool = True
-    #: CPU only, with ``cpu_packed_linear``: float32 linears over column-panel weights
-    #: (worker/panel_linear.cpp); off: oneDNN's packed linear for them too
-    cpu_panel_linear: bool = True
-    #: CPU only, with ``cpu_panel_linear``: float32 linears called with at least this
-    #: many rows (prefill chunks) run on a library GEMM's packed copy of their weights
-    #: (MKL's sgemm, else oneDNN's), kept beside the panels (those weights twice in
-    #: memory); 0: panels at every size
-    cpu_gemm_from_rows: NonNegative = 128
-    #: CPU only: decode attention with the paged kernel (worker/paged_attention.cpp);
-    #: off, or where it cannot be built: the torch path (gather + SDPA)
-    cpu_attention_kernel: bool = True
-    #: CPU only: Llama-shaped models run with fused layer ops (worker/fused_decoder.py);
-    #: off, or where it does not apply: the transformers forward
-    cpu_fused_decoder: bool = True
-    #: CPU threads for torch; None: the CPUs Ray assigned to the actor (else torch's default).
-    num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    seed: int = 0  # the global stream that unseeded random rows draw from
-    trust_remote_code: bool = False
-
-
 class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     """What a loaded worker tells the driver."""
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
-from worker.step_channel import ERROR, REPLY
+from worker.transport.step_channel import ERROR, REPLY
 
 logger = logging.getLogger("raydecode")
 

@@ -1,0 +1,142 @@
+"""WorkerConfig: how a worker loads its model, sizes its batch and KV pool, and samples.
+
+It is the worker's part of the engine's configuration: ``cluster.config.EngineConfig``
+extends it with the driver's settings, so every field here is an engine setting too (an
+``LLM(...)`` keyword, a ``raydecode`` flag, a Serve YAML ``engine:`` key) without a copy.
+The driver sends it to each worker once, at load (msgpack), after filling in what it
+sizes per worker (``worker_num_threads``, ``kv_cache_memory_bytes``).
+
+Validation lives in ``__post_init__``, which runs both when the config is built and when
+a worker decodes it, so one set of rules guards both sides; each failure is a
+``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from sampler.config import DEFAULT_MAX_LOGPROBS, LogprobsMode, SamplerConfig, check_logprobs_options
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require(ok: bool, name: str, rule: str, value: object) -> None:
+    """``ValueError`` naming ``name`` when a rule does not hold."""
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def check_positive(config: object, *names: str, optional: bool = False) -> None:
+    """Each named field is an integer >= 1 (or None, when ``optional``)."""
+    for name in names:
+        value = getattr(config, name)
+        if optional and value is None:
+            continue
+        require(is_int(value) and value >= 1, name, "a positive integer", value)
+
+
+def check_fraction(config: object, *names: str) -> None:
+    """Each named field is a number in (0, 1]."""
+    for name in names:
+        value = getattr(config, name)
+        require(not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1,
+                name, "in (0, 1]", value)
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    # -- the model ----------------------------------------------------------------
+    #: local path, hub id or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    model: str | None = None
+    #: torch device of the workers ("cpu", "cuda", ...); None: cuda when a worker has a
+    #: GPU, else cpu
+    device: str | None = None
+    #: model dtype: auto, float32, float16 or bfloat16; None (auto): float32 on CPU,
+    #: bfloat16/float16 on CUDA
+    dtype: str | None = None
+    #: seed of the random stream that requests without a seed of their own draw from
+    seed: int = 0
+    #: let transformers run the model repository's own code
+    trust_remote_code: bool = False
+    # -- the batch and the KV pool ------------------------------------------------
+    #: rows per worker (the worker may allow fewer when its KV budget is smaller)
+    max_num_seqs: int = 64
+    #: longest prompt + output in tokens; None: the model's own limit
+    max_model_len: int | None = None
+    #: tokens per KV block (the unit of allocation and of prefix caching)
+    kv_block_size: int = 16
+    #: each worker's KV pool in tokens (a whole number of ``kv_block_size`` blocks);
+    #: overrides the memory-based size. None: what the memory budget below holds, at
+    #: most enough for every row at max_model_len
+    kv_cache_tokens: int | None = None
+    #: each worker's KV budget in bytes; None: on CUDA from gpu_memory_utilization, on
+    #: CPU cpu_kv_cache_fraction of the node's RAM split among this engine's workers there
+    kv_cache_memory_bytes: int | None = None
+    #: CPU: commit every page of the KV pool when the worker loads (what vLLM's zeroed
+    #: pool does) instead of as blocks are first used. Costs start time (about 1 s per
+    #: GiB on this project's VMs) and the whole pool's RAM up front; spares the first
+    #: requests the page faults
+    kv_cache_prefault: bool = False
+    #: CUDA: the share of each GPU's memory a worker may use (model, activations, KV), as in vLLM
+    gpu_memory_utilization: float = 0.9
+    #: torch threads per worker; None: ``worker_num_cpus`` when set (>= 1), else the
+    #: cores of the worker's node split among this engine's workers on it
+    worker_num_threads: int | None = None
+    # -- sampling -----------------------------------------------------------------
+    #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
+    num_spec_tokens: int = 0
+    #: shortest n-gram the prompt-lookup proposer matches
+    ngram_min: int = 1
+    #: longest n-gram the prompt-lookup proposer matches
+    ngram_max: int = 4
+    #: the most logprobs / prompt_logprobs a request may ask per token; -1: no limit
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    #: what logprobs report: "raw_logprobs" (the model's, before any processing, as
+    #: vLLM's default), "raw_logits", "processed_logprobs" or "processed_logits"
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    #: custom logits processors, as "module:Qualname" (server configuration only)
+    logits_processors: list[str] = msgspec.field(default_factory=list)
+    #: text of the token that opens a reasoning section (thinking_token_budget)
+    reasoning_start: str | None = None
+    #: text of the token that closes a reasoning section (thinking_token_budget)
+    reasoning_end: str | None = None
+    # -- the CPU backend (worker/cpu/) --------------------------------------------
+    #: CPU: run linear layers with prepacked weights (faster; off: plain F.linear)
+    cpu_packed_linear: bool = True
+    #: CPU, float32: linear layers over weights packed in column panels, our own kernel
+    #: (faster than oneDNN's at decode sizes; off: oneDNN's packed linear)
+    cpu_panel_linear: bool = True
+    #: CPU, float32, with cpu_panel_linear: linears called with at least this many rows
+    #: (prefill chunks) run on a library GEMM's packed copy of their weights (MKL's
+    #: sgemm where torch has MKL, else oneDNN's), kept beside the panels (the linears'
+    #: weights then twice in memory, the LM head once); 0: panels at every size, one copy
+    cpu_gemm_from_rows: int = 128
+    #: CPU: attention with the compiled paged kernel (off: gather the blocks + SDPA)
+    cpu_attention_kernel: bool = True
+    #: CPU: Llama, Mistral and Qwen2 run with fused layer ops (off: the transformers forward)
+    cpu_fused_decoder: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive(self, "max_num_seqs", "kv_block_size", "ngram_min", "ngram_max")
+        check_positive(self, "kv_cache_tokens", "kv_cache_memory_bytes", "worker_num_threads", optional=True)
+        if self.max_model_len is not None:
+            require(is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
+                    "an integer >= 2 (a prompt token and one to generate)", self.max_model_len)
+        check_fraction(self, "gpu_memory_utilization")
+        require(is_int(self.num_spec_tokens) and self.num_spec_tokens >= 0, "num_spec_tokens", ">= 0",
+                self.num_spec_tokens)
+        require(is_int(self.cpu_gemm_from_rows) and self.cpu_gemm_from_rows >= 0, "cpu_gemm_from_rows", ">= 0",
+                self.cpu_gemm_from_rows)
+        require(self.ngram_min <= self.ngram_max, "ngram_min", f"<= ngram_max ({self.ngram_max})", self.ngram_min)
+        require(is_int(self.seed), "seed", "an integer", self.seed)
+        check_logprobs_options(self.max_logprobs, self.logprobs_mode)
+
+    def sampler_config(self, vocab_size: int) -> SamplerConfig:
+        """The sampler's and the logits processors' configuration, for a model of
+        ``vocab_size`` tokens."""
+        return SamplerConfig(
+            vocab_size=vocab_size, max_num_seqs=self.max_num_seqs, num_spec_tokens=self.num_spec_tokens,
+            max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
+            logits_processors=list(self.logits_processors),
+        )

@@ -1,0 +1,44 @@
+"""The CPU backend: the compiled kernels of ``csrc/`` put to work on a loaded model.
+
+In order: the fused decoder (Llama-shaped models: each layer's q/k/v and gate/up
+projections merged first), the packed linears (column panels, a library GEMM's copy
+for large calls, oneDNN's packing elsewhere), the paged-attention kernel. Each has an
+``EngineConfig`` switch (``cpu_fused_decoder``, ``cpu_packed_linear``,
+``cpu_panel_linear``, ``cpu_gemm_from_rows``, ``cpu_attention_kernel``); each falls
+back to the torch path where the kernels cannot be built or do not apply.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from worker.cpu.fused_decoder import FusedDecoder, fused_decoder_applies, merge_projections
+from worker.cpu.kernels import load as load_kernels
+from worker.cpu.packed_linear import pack_linear_layers
+from worker.cpu.paged_attention import CpuPagedKernel
+from worker.runner.backend import Backend
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
+
+
+def prepare_cpu_backend(model: nn.Module, config: WorkerConfig) -> Backend:
+    wants_kernels = config.cpu_fused_decoder or config.cpu_attention_kernel or (
+        config.cpu_packed_linear and config.cpu_panel_linear)
+    ops = load_kernels() if wants_kernels else None
+    fused = config.cpu_fused_decoder and fused_decoder_applies(model, ops)
+    if fused:
+        merge_projections(model)  # before packing: the merged linears are packed
+    packed = 0
+    if config.cpu_packed_linear:
+        panel_ops = ops if config.cpu_panel_linear else None
+        packed = pack_linear_layers(model, panel_ops, config.cpu_gemm_from_rows)
+    kernel = CpuPagedKernel(ops) if ops is not None and config.cpu_attention_kernel else None
+    return Backend(
+        name="cpu kernels" if ops is not None else "torch",
+        attention_kernel=kernel,
+        decoder=FusedDecoder(model, ops) if fused else None,
+        num_packed_linear=packed,
+    )

@@ -1,0 +1,222 @@
+"""Paged attention: the function transformers' attention interface calls for every
+layer, and the torch reference path it falls back to.
+
+The model runs unchanged through transformers' ``AttentionInterface``: each layer's
+attention call gets the step's ``AttentionPlan`` (``worker/runner/attention_plan.py``:
+the packed tokens' slots and, per row, its block table and lengths) and
+
+1. writes the step's keys and values into their slots of the pool
+   (``worker/runner/kv_pool.py``);
+2. attends for rows with short queries (decodes, speculative verification) together,
+   with the plan's paged kernel (the CPU kernel, ``worker/cpu/``: reads each row's
+   blocks in place) when there is one and it applies, else by gathering the rows'
+   blocks and one batched ``scaled_dot_product_attention`` (the device-agnostic
+   reference path: the same code runs on CUDA);
+3. attends for long prefill chunks: with the kernel, every chunk cut into runs of
+   ``kernel.prefill_queries`` queries and attended in one kernel call with the step's
+   short-query rows (``KernelRows``: each run reads its row's keys up to its own last
+   query, so a causal chunk's masked half is mostly never computed; the call reads the
+   packed queries and writes the packed outputs in place); elsewhere row by row (gather
+   the row's blocks, then SDPA).
+
+Sliding windows (Mistral, Qwen2, Gemma's local layers) and logit soft-capping (Gemma 2)
+come as the attention call's ``sliding_window`` / ``softcap`` arguments and are applied
+on every path. Features the paged path does not implement are refused when the model
+loads (``check_attention_features``), never silently ignored.
+
+``register_paged_attention`` adds the function to transformers' registry; the runner
+calls it before it loads a model (importing this module registers nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from worker.runner.attention_plan import AttentionPlan
+
+ATTENTION_NAME = "raydecode_paged"
+
+#: Config attributes of attention behaviours the paged path does not implement.
+UNSUPPORTED_CONFIG = {
+    "attention_chunk_size": "chunked local attention (Llama 4)",
+    "use_bidirectional_attention": "bidirectional attention",
+    "alibi": "ALiBi position biases",
+}
+#: Attention-call arguments that change the result and that the paged path does not
+#: implement (seen in the load-time probe).
+UNSUPPORTED_ARGUMENTS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "additive position biases",
+}
+
+
+class UnsupportedAttention(ValueError):
+    """The model needs an attention feature the paged path does not implement."""
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``[..., blocks]`` block ids -> ``[..., kv_heads, blocks * block_size, head_dim]``:
+    the rows' keys (or values) in position order, copied out of the pool."""
+    lead = block_ids.shape[:-1]
+    nb = block_ids.shape[-1]
+    _, heads, bs, dim = pool.shape
+    picked = pool.index_select(0, block_ids.reshape(-1).long()).view(*lead, nb, heads, bs, dim)
+    return picked.transpose(-4, -3).reshape(*lead, heads, nb * bs, dim)
+
+
+def visible(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """``[..., Q, kv_len]`` bool: key j is visible from a query at position ``q_pos``
+    (causal, and within the sliding window: ``j > q_pos - window``, transformers'
+    rule)."""
+    kv = torch.arange(kv_len, device=q_pos.device)
+    mask = kv <= q_pos.unsqueeze(-1)
+    if window:
+        mask &= kv > (q_pos.unsqueeze(-1) - window)
+    return mask
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """``q [B, kv_heads, G*Q, D]`` against ``k, v [B, kv_heads, L, D]`` under ``mask``
+    (broadcastable to ``[B, 1|kv_heads, G*Q, L]``): SDPA, or the written-out math when
+    scores are soft-capped (``softcap * tanh(s / softcap)``, Gemma 2)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attention_plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """``query`` ``[1, heads, T, dim]``, ``key``/``value`` ``[1, kv_heads, T, dim]`` for
+    the step's packed tokens; returns ``[1, T, heads, dim]``."""
+    plan = attention_plan
+    if plan is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's attention_plan")
+    for name, feature in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttention(f"the model uses {feature} ({name}), which the paged attention does not implement")
+    layer = module.layer_idx
+    k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
+    rows = k_pool.shape[0] * k_pool.shape[1] * k_pool.shape[2]
+    k_pool.view(rows, -1).index_copy_(0, plan.slot_rows, key[0].transpose(0, 1).reshape(-1, key.shape[-1]).to(k_pool.dtype))
+    v_pool.view(rows, -1).index_copy_(0, plan.slot_rows, value[0].transpose(0, 1).reshape(-1, value.shape[-1]).to(v_pool.dtype))
+    window = int(sliding_window) if sliding_window else None
+    out = attend_cached(query[0].transpose(0, 1), plan, layer, scaling, window, softcap)
+    return out.unsqueeze(0), None
+
+
+def attend_cached(
+    q_all: torch.Tensor, plan: AttentionPlan, layer: int, scaling: float | None,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:
+    """Attention for the step's packed queries ``q_all`` ``[T, heads, dim]`` over layer
+    ``layer``'s pool, the step's own keys and values already written; ``[T, heads,
+    dim]``. Short-query rows together (the plan's kernel, else gathering), prefill
+    chunks row by row."""
+    k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
+    total, heads, dim = q_all.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    kernel = plan.kernel
+    on_kernel = kernel is not None and kernel.applies(q_all, k_pool)
+    batched = (plan.batched_block_table, plan.batched_kv_lens, plan.batched_query_lens)
+    if plan.num_batched == total and plan.batched_query_len == 1 and on_kernel:
+        # Every row a single decode: the packed queries are already the kernel's layout.
+        return kernel.run(q_all, k_pool, v_pool, *batched, scale, softcap, window)
+    rows = plan.kernel_rows
+    if rows is not None and on_kernel:  # prefill chunks (and decodes): one call, in place
+        return kernel.run_packed(q_all, k_pool, v_pool, rows.block_table, rows.kv_lens, rows.query_lens, rows.starts,
+                                 scale, softcap, window)
+    out = q_all.new_empty(total, heads, dim)
+
+    if plan.num_batched:
+        b, q_len = plan.num_batched, plan.batched_query_len
+        q = q_all[plan.batched_index].view(b * q_len, heads, dim)
+        if on_kernel:
+            o = kernel.run(q, k_pool, v_pool, *batched, scale, softcap, window)
+        else:
+            o = _batched_by_gathering(q, k_pool, v_pool, plan, scale, softcap, window)
+        out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
+
+    for chunk in plan.prefill:
+        s, n = chunk.start, chunk.num_tokens
+        q = q_all[s : s + n].transpose(0, 1).reshape(kv_heads, group * n, dim).unsqueeze(0)
+        k = gather_blocks(k_pool, chunk.block_ids)[:, : chunk.kv_len].unsqueeze(0)
+        v = gather_blocks(v_pool, chunk.block_ids)[:, : chunk.kv_len].unsqueeze(0)
+        q_pos = torch.arange(chunk.kv_len - n, chunk.kv_len, device=q.device).repeat(group)
+        if window is None and not softcap and chunk.kv_len == n:
+            o = F.scaled_dot_product_attention(q.view(1, heads, n, dim), k, v, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
+            out[s : s + n] = o[0].transpose(0, 1).to(out.dtype)
+            continue
+        o = attend(q.to(k.dtype), k, v, visible(q_pos, chunk.kv_len, window), scale, softcap)
+        out[s : s + n] = o.view(heads, n, dim).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _batched_by_gathering(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan,
+    scale: float, softcap: float | None, window: int | None,
+) -> torch.Tensor:
+    """The reference path for short-query rows: gather every row's blocks into
+    ``[B, kv_heads, L, D]`` and attend in one call. ``q`` is ``[B * Q, heads, D]``."""
+    b, q_len = plan.num_batched, plan.batched_query_len
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    table = plan.batched_block_table
+    kv_len = int(plan.host_batched_kv_lens.max())
+    k = gather_blocks(k_pool, table)[:, :, :kv_len]
+    v = gather_blocks(v_pool, table)[:, :, :kv_len]
+    # [B, Q, heads, D] -> [B, kv_heads, group * Q, D]: a query group shares its key head.
+    qq = q.view(b, q_len, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_len, dim)
+    # Query j of a row sits at position kv_len - q_len + j; padding queries see key 0.
+    q_pos = (plan.batched_kv_lens - plan.batched_query_lens).long().unsqueeze(1) + torch.arange(q_len, device=q.device)
+    valid = plan.batched_valid.view(b, q_len)
+    mask = visible(q_pos, kv_len, window)  # [B, Q, L]
+    mask = torch.where(valid.unsqueeze(-1), mask, torch.arange(kv_len, device=q.device) == 0)
+    mask = mask.unsqueeze(1).repeat(1, 1, group, 1) if q_len > 1 or group == 1 else mask.unsqueeze(1).expand(b, 1, group, kv_len)
+    mask = mask.reshape(b, 1, group * q_len, kv_len)
+    o = attend(qq.to(k.dtype), k, v, mask, scale, softcap)
+    return o.view(b, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(b * q_len, heads, dim)
+
+
+def check_attention_features(config: object) -> None:
+    """Refuses, naming the feature, a model config that asks for an attention
+    behaviour the paged path does not implement."""
+    configs = [config] + [getattr(config, name) for name in ("text_config",) if getattr(config, name, None) is not None]
+    for cfg in configs:
+        for attr, feature in UNSUPPORTED_CONFIG.items():
+            if getattr(cfg, attr, None):
+                raise UnsupportedAttention(f"the model uses {feature} ({attr}), which the paged attention does not implement")
+
+
+
+def register_paged_attention() -> None:
+    """Makes ``attn_implementation=ATTENTION_NAME`` mean ``paged_attention`` in
+    transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,197 @@
+"""AttentionPlan: how one step's packed tokens map onto rows, KV blocks and slots.
+
+Built once per step by the runner and handed to every layer's attention call (through
+transformers' attention interface, or the CPU fused decoder). It carries the attention
+kernel the runner chose for its device (``kernel``: the CPU paged kernel, or None for
+the device-agnostic torch path), so nothing about attention lives in a module global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from worker.runner.attention import attend_cached
+from worker.runner.kv_pool import PagedKVCache
+
+#: Queries up to this many tokens per row join the batched attention call.
+BATCHED_QUERY_MAX = 16
+
+
+class PagedKernel(Protocol):
+    """A compiled attention kernel that reads the pool through block tables in place
+    (``worker.cpu.paged_attention.CpuPagedKernel``)."""
+
+    #: prefill chunks are cut into kernel rows of this many queries; 0: chunks take the
+    #: torch path
+    prefill_queries: int
+
+    def applies(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
+
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+            kv_lens: torch.Tensor, query_lens: torch.Tensor, scale: float, softcap: float | None,
+            window: int | None) -> torch.Tensor: ...
+
+    def run_packed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                   kv_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, scale: float,
+                   softcap: float | None, window: int | None) -> torch.Tensor: ...
+
+
+@dataclass
+class PrefillChunk:
+    row: int
+    start: int  # first packed token index
+    num_tokens: int
+    kv_len: int  # cached tokens after this chunk
+    block_ids: torch.Tensor  # [blocks] the row's blocks covering kv_len
+
+
+def _long(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+def _int(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+
+
+@dataclass
+class KernelRows:
+    """A step's rows as rows of the paged kernel, attended in one call that reads the
+    packed queries and writes the packed outputs in place: short-query rows as they
+    are, longer ones (prefill chunks) cut into runs of at most ``kernel.prefill_queries``
+    queries, a run attending its row's keys up to its own last query (so the causal
+    future of a chunk is never read)."""
+
+    starts: torch.Tensor  # [R] int32 packed index of each kernel row's first query
+    block_table: torch.Tensor  # [R, max blocks] int32: its sequence row's table
+    kv_lens: torch.Tensor  # [R] int32 keys each kernel row attends to (its own last query's)
+    query_lens: torch.Tensor  # [R] int32
+
+    @classmethod
+    def build(cls, rows: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, kv_lens: np.ndarray,
+              block_table: np.ndarray, block_size: int, queries: int, device: torch.device) -> "KernelRows":
+        """Sequence row ``rows[i]`` runs ``num_tokens[i]`` packed tokens from
+        ``starts[i]`` on and has ``kv_lens[i]`` keys after them."""
+        runs = -(-num_tokens // queries)
+        of = np.repeat(np.arange(len(rows)), runs)
+        offset = concat_ranges(np.zeros(len(rows), dtype=np.int64), runs) * queries
+        q_lens = np.minimum(queries, num_tokens[of] - offset)
+        run_kv = kv_lens[of] - num_tokens[of] + offset + q_lens
+        table = block_table[rows[of], : -(-int(run_kv.max()) // block_size)]
+        return cls(starts=_int(starts[of] + offset, device), block_table=_int(table, device),
+                   kv_lens=_int(run_kv, device), query_lens=_int(q_lens, device))
+
+
+@dataclass
+class AttentionPlan:
+    """How one step's packed tokens map onto rows, blocks and slots (shared by all
+    layers of one forward)."""
+
+    cache: PagedKVCache
+    # The packing, on the host: row i's tokens start at starts[i] of the sequence.
+    starts: np.ndarray  # [rows]
+    host_token_rows: np.ndarray  # [T]
+    host_token_positions: np.ndarray  # [T]
+    token_positions: torch.Tensor  # [T] position of each packed token in its row
+    # [T * kv_heads] where token t's head h goes in a pool seen as [blocks * kv_heads *
+    # block_size, head_dim] rows: the step's keys and values go in with one index_copy_
+    # per pool.
+    slot_rows: torch.Tensor
+    # Rows with short queries, attended together.
+    num_batched: int
+    batched_index: torch.Tensor  # [B, Q] packed index of each query (pads point at 0)
+    batched_valid: torch.Tensor  # [B * Q] bool, real queries
+    batched_block_table: torch.Tensor  # [B, max blocks] int32 (pads point at block 0)
+    batched_kv_lens: torch.Tensor  # [B] int32 tokens each row attends to (this step's included)
+    batched_query_lens: torch.Tensor  # [B] int32
+    host_batched_kv_lens: np.ndarray
+    host_batched_query_lens: np.ndarray
+    batched_query_len: int  # Q: the longest query
+    prefill: list[PrefillChunk]
+    # The paged kernel of the runner's device (None: the torch path everywhere).
+    kernel: PagedKernel | None = None
+    # Where the kernel is on and the step has prefill chunks: every row of the step as
+    # kernel rows (else None; the batched rows and the chunks above serve).
+    kernel_rows: KernelRows | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cache: PagedKVCache,
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        num_tokens: np.ndarray,
+        block_table: np.ndarray,
+        device: torch.device,
+        kernel: PagedKernel | None = None,
+    ) -> "AttentionPlan":
+        """``rows[i]`` runs ``num_tokens[i]`` tokens after ``num_computed[i]`` cached
+        ones, through its blocks ``block_table[rows[i]]``; the packed sequence holds row
+        ``rows[0]``'s tokens first, and so on. ``kernel``: the paged kernel attention
+        uses where it applies."""
+        bs = cache.block_size
+        starts = (np.cumsum(num_tokens) - num_tokens).astype(np.int64)
+        token_rows = np.repeat(rows, num_tokens)
+        token_positions = concat_ranges(num_computed, num_tokens)
+        slot_blocks = block_table[token_rows, token_positions // bs]
+        heads = np.arange(cache.num_kv_heads, dtype=np.int64)
+        slot_rows = ((slot_blocks.astype(np.int64)[:, None] * cache.num_kv_heads + heads[None, :]) * bs
+                     + (token_positions % bs)[:, None]).reshape(-1)
+        short = num_tokens <= BATCHED_QUERY_MAX
+        b_rows, b_start, b_n = rows[short], starts[short], num_tokens[short]
+        b_kv = num_computed[short] + b_n
+        nb = len(b_rows)
+        q = int(b_n.max()) if nb else 0
+        qi = np.arange(q)
+        index = b_start[:, None] + qi[None, :]
+        valid = qi[None, :] < b_n[:, None]
+        index = np.where(valid, index, 0)
+        max_blocks = -(-int(b_kv.max()) // bs) if nb else 0
+        b_table = block_table[b_rows, :max_blocks] if nb else np.zeros((0, 0), np.int32)
+        prefill = []
+        for r, s, n, c in zip(rows[~short], starts[~short], num_tokens[~short], num_computed[~short]):
+            kv_len = int(c + n)
+            ids = _long(block_table[r, : -(-kv_len // bs)], device)
+            prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, ids))
+        kernel_rows = None
+        if prefill and kernel is not None and kernel.prefill_queries > 0:
+            kernel_rows = KernelRows.build(rows, starts, num_tokens, num_computed + num_tokens, block_table, bs,
+                                           kernel.prefill_queries, device)
+        as_long = lambda a: _long(a, device)
+        as_int = lambda a: _int(a, device)
+        return cls(
+            cache=cache,
+            starts=starts,
+            host_token_rows=token_rows,
+            host_token_positions=token_positions,
+            token_positions=as_long(token_positions),
+            slot_rows=as_long(slot_rows),
+            num_batched=nb,
+            batched_index=as_long(index),
+            batched_valid=torch.from_numpy(valid.reshape(-1)).to(device),
+            batched_block_table=as_int(b_table),
+            batched_kv_lens=as_int(b_kv),
+            batched_query_lens=as_int(b_n),
+            host_batched_kv_lens=b_kv,
+            host_batched_query_lens=b_n,
+            batched_query_len=q,
+            prefill=prefill,
+            kernel=kernel,
+            kernel_rows=kernel_rows,
+        )
+
+    def attend(self, q_all: torch.Tensor, layer: int, scaling: float | None, window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        """Attention of the step's packed queries ``[T, heads, dim]`` over layer
+        ``layer``'s pool (the step's keys and values already written)."""
+        return attend_cached(q_all, self, layer, scaling, window, softcap)
+
+
+def concat_ranges(first: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(f, f + w) for f, w in zip(first, width)])``, vectorised."""
+    width = np.asarray(width, dtype=np.int64)
+    offsets = np.arange(int(width.sum()), dtype=np.int64) - np.repeat(np.cumsum(width) - width, width)
+    return np.repeat(np.asarray(first, dtype=np.int64), width) + offsets
