@@ -39,24 +39,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.outputs import RequestOutput
 from deploy.metrics import metrics_registry
-from deploy.openai.structured import Constraint
-from deploy.openai.tool_parsers import TOOL_PARSERS
-from deploy.openai.tools import DEFAULT_MAX_TOOLS, ApiOptions
+from deploy.openai.errors import error_body
 from deploy.openai.protocol import (
-    ChatChunks,
     ChatCompletionRequest,
-    CompletionChoices,
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
-    TokenText,
-    chat_response,
-    completion_chunks,
-    completion_response,
-    error_body,
-    new_id,
 )
+from deploy.openai.responses import TokenText, new_id
+from deploy.openai.serving_chat import ChatChunks, chat_response
+from deploy.openai.serving_completion import CompletionChoices, completion_chunks, completion_response
+from deploy.openai.structured import Constraint
+from deploy.openai.tool_parsers import TOOL_PARSERS
+from deploy.openai.tools import DEFAULT_MAX_TOOLS, ApiOptions
 from sampler.params import StructuredOutputsParams, check_text
 
 

@@ -1,9 +1,16 @@
-"""The error a request gets when the server cannot honour it: HTTP 400 naming the field.
+"""Errors as the client sees them: ``RequestError`` (HTTP 400 naming the field) for a
+request the server cannot honour, and ``error_body``, the OpenAI error object every
+failed response carries.
 
-Kept apart from ``protocol`` so the structured-output and tool modules can raise it
-without importing the request models (which import them)."""
+Kept apart from the request models (``protocol``) so that the structured-output and
+tool modules, which those models import, can raise ``RequestError`` without importing
+them back."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from deploy.openai.text_validation import printable
 
 
 class RequestError(ValueError):
@@ -16,3 +23,9 @@ class RequestError(ValueError):
 
 def not_supported(field: str, why: str = "not supported yet") -> RequestError:
     return RequestError(f"{field}: {why}", field)
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object; the text is made encodable whatever input it quotes."""
+    return {"error": {"message": printable(message), "type": kind,
+                      "param": None if param is None else printable(param), "code": code}}

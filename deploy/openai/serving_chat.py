@@ -1,0 +1,195 @@
+"""The chat endpoint's responses (``/v1/chat/completions``), whole or streamed:
+``chat_response`` for a whole answer, ``ChatChunks`` for a stream (the state it keeps
+across chunks: whether the role was sent, each choice's tool call parser, tokens so
+far), tool calls in OpenAI's message and delta shapes, and ``chat_logprobs``, this
+endpoint's logprobs shape (per token, its ``top_logprobs``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from openai.types import CompletionUsage
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionTokenLogprob,
+)
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
+from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall
+from openai.types.chat.chat_completion_message_function_tool_call import Function as CalledToolFunction
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+
+from cluster.outputs import CompletionOutput, RequestOutput
+from deploy.openai.protocol import ChatCompletionRequest
+from deploy.openai.responses import TokenText, finite_logprob, prompt_logprobs_json, usage
+from deploy.openai.tool_parsers import ToolCall, ToolCallDelta
+
+
+def chat_logprobs(c: CompletionOutput, top: int, text: TokenText) -> ChoiceLogprobs | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tok, position in zip(c.token_ids, c.logprobs):
+        entry = position[tok]
+        ranked = sorted(position.items(), key=lambda kv: -kv[1].logprob)
+        if top != -1:
+            ranked = ranked[:top]
+        shown = text(tok, entry.decoded_token)
+        content.append(ChatCompletionTokenLogprob(
+            token=shown, logprob=finite_logprob(entry.logprob), bytes=list(shown.encode()),
+            top_logprobs=[
+                TopLogprob(token=text(t, lp.decoded_token), logprob=finite_logprob(lp.logprob),
+                           bytes=list(text(t, lp.decoded_token).encode()))
+                for t, lp in ranked
+            ],
+        ))
+    return ChoiceLogprobs(content=content)
+
+
+def _message_tool_calls(calls: list[ToolCall]) -> list[ChatCompletionMessageFunctionToolCall]:
+    return [ChatCompletionMessageFunctionToolCall.model_construct(
+        id=c.id, type="function", function=CalledToolFunction.model_construct(name=c.name, arguments=c.arguments))
+        for c in calls]
+
+
+def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[ChoiceDeltaToolCall]:
+    """Stream pieces of calls, one entry per call index (the pieces of one index in
+    one chunk joined: the first carries id, type and name)."""
+    merged: dict[int, ToolCallDelta] = {}
+    for d in deltas:
+        if d.index in merged:
+            merged[d.index].arguments += d.arguments
+        else:
+            merged[d.index] = ToolCallDelta(d.index, d.arguments, d.id, d.name)
+    out = []
+    for d in merged.values():
+        if d.id is not None:
+            function = ChoiceDeltaToolCallFunction.model_construct(name=d.name, arguments=d.arguments)
+            out.append(ChoiceDeltaToolCall.model_construct(index=d.index, id=d.id, type="function", function=function))
+        else:
+            function = ChoiceDeltaToolCallFunction.model_construct(arguments=d.arguments)
+            out.append(ChoiceDeltaToolCall.model_construct(index=d.index, function=function))
+    return out
+
+
+def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletionRequest, text: TokenText) -> ChatCompletion:
+    top, role, echo = body.top_logprobs or 0, body.response_role(), body.echo_text()
+    plan = body.tool_plan
+    choices = []
+    for c in out.outputs:
+        finish_reason = c.finish_reason
+        message = ChatCompletionMessage.model_construct(role=role, content=echo + c.text)
+        if plan.parses:
+            content, calls = plan.parser_for_choice().parse(c.text)
+            finish_reason = plan.finish_reason(c.finish_reason, bool(calls))
+            if calls:
+                content = echo + content if content else (echo or plan.empty_content())
+                message = ChatCompletionMessage.model_construct(role=role, content=content,
+                                                                tool_calls=_message_tool_calls(calls))
+            else:
+                message = ChatCompletionMessage.model_construct(role=role, content=echo + content)
+        fields: dict[str, Any] = {
+            "index": c.index, "message": message,
+            "finish_reason": finish_reason, "logprobs": chat_logprobs(c, top, text), "stop_reason": c.stop_reason,
+        }
+        if body.return_token_ids:
+            fields["token_ids"] = list(c.token_ids)
+        choices.append(ChatChoice.model_construct(**fields))
+    response = ChatCompletion.model_construct(
+        id=rid, object="chat.completion", created=int(time.time()), model=model,
+        choices=choices, usage=usage([out]), prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+    )
+    if body.return_token_ids:
+        response.prompt_token_ids = list(out.prompt_token_ids)
+    return response
+
+
+class ChatChunks:
+    """A chat stream as vLLM sends it: first a chunk per choice with the role (and
+    empty content), then the echoed text if any, then one chunk per choice's delta."""
+
+    def __init__(self, rid: str, model: str, body: ChatCompletionRequest, text: TokenText) -> None:
+        self.rid, self.model, self.body, self.text = rid, model, body, text
+        plan = body.tool_plan
+        self.plan = plan if plan.parses else None
+        self.parsers = [plan.parser_for_choice() for _ in range(body.num_samples)] if self.plan else []
+        self.created = int(time.time())
+        self.started = False
+        self.prompt_tokens = 0
+        self.tokens: dict[int, int] = {}
+        _, self.continuous = body.usage_options()
+
+    def _chunk(self, choice: ChunkChoice, index: int, **extra: Any) -> ChatCompletionChunk:
+        chunk = ChatCompletionChunk.model_construct(
+            id=self.rid, object="chat.completion.chunk", created=self.created, model=self.model,
+            choices=[choice], **extra,
+        )
+        if self.continuous:
+            done = self.tokens.get(index, 0)
+            chunk.usage = CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=done,
+                                          total_tokens=self.prompt_tokens + done)
+        return chunk
+
+    def chunks(self, out: RequestOutput) -> list[ChatCompletionChunk]:
+        body, chunks = self.body, []
+        self.prompt_tokens = len(out.prompt_token_ids)
+        if not self.started:
+            self.started = True
+            extra = {"prompt_token_ids": list(out.prompt_token_ids)} if body.return_token_ids else {}
+            for i in range(body.num_samples):
+                delta = ChoiceDelta.model_construct(role=body.response_role(), content="")
+                chunks.append(self._chunk(ChunkChoice.model_construct(index=i, delta=delta, logprobs=None,
+                                                                      finish_reason=None), i, **extra))
+            echo = body.echo_text()
+            if echo:
+                for i in range(body.num_samples):
+                    delta = ChoiceDelta.model_construct(content=echo)
+                    chunks.append(self._chunk(ChunkChoice.model_construct(index=i, delta=delta, logprobs=None,
+                                                                          finish_reason=None), i))
+        for c in out.outputs:
+            self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
+            logprobs = chat_logprobs(c, body.top_logprobs or 0, self.text)
+            delta, finish_reason = ChoiceDelta.model_construct(content=c.text), c.finish_reason
+            if self.plan is not None:
+                delta, finish_reason = self._parsed_delta(c)
+                if delta is None:
+                    if c.finish_reason is None and logprobs is None and not body.return_token_ids:
+                        continue  # nothing to send yet (text held back by the parser)
+                    delta = ChoiceDelta.model_construct()
+            fields: dict[str, Any] = {
+                "index": c.index, "delta": delta,
+                "finish_reason": finish_reason, "logprobs": logprobs,
+                "stop_reason": c.stop_reason,
+            }
+            if body.return_token_ids:
+                fields["token_ids"] = list(c.token_ids)
+            chunks.append(self._chunk(ChunkChoice.model_construct(**fields), c.index))
+        return chunks
+
+    def _parsed_delta(self, c: CompletionOutput) -> tuple[ChoiceDelta | None, str | None]:
+        """A choice's delta through its tool call parser (None: nothing to send), and
+        its finish reason."""
+        parser = self.parsers[c.index]
+        content, deltas = parser.feed(c.text)
+        finish_reason = c.finish_reason
+        if finish_reason is not None:
+            more, last = parser.finish()
+            content, deltas = content + more, deltas + last
+            finish_reason = self.plan.finish_reason(finish_reason, bool(parser.calls))
+        fields: dict[str, Any] = {}
+        if content:
+            fields["content"] = content
+        if deltas:
+            fields["tool_calls"] = _delta_tool_calls(deltas)
+        return (ChoiceDelta.model_construct(**fields) if fields else None), finish_reason
+
+    def total_usage(self) -> CompletionUsage:
+        done = sum(self.tokens.values())
+        return CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=done,
+                               total_tokens=self.prompt_tokens + done)
