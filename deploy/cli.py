@@ -25,6 +25,17 @@ line: {"prompt": "..."}, {"prompt_token_ids": [...]} or {"messages": [...]}
 (SamplingParams fields overriding the flags). Writes one JSON object per line."""
 
 
+#: Names the benchmark folder where ``--scripts`` does not.
+BENCH_SCRIPTS_ENV = "RAYDECODE_BENCH_SCRIPTS"
+
+BENCH_HELP = f"""Runs the benchmark scripts of a raydecode source checkout (tests/bench), then
+builds one results table. They are development tools, not part of the installed
+package: they use the test helpers and the dev extras, and import the raydecode of
+the checkout they are in (not an installed one). From a checkout they are found
+next to the package; elsewhere name them: --scripts CHECKOUT/tests/bench or
+${BENCH_SCRIPTS_ENV}."""
+
+
 #: vLLM's flag names where vLLM has the same setting under another name (the first is
 #: shown in --help; the others, our own names among them, are aliases). Every other
 #: ``EngineConfig`` field is ``--field-name``, which is vLLM's name where vLLM has it
@@ -187,8 +198,12 @@ def _parser() -> argparse.ArgumentParser:
                         '"disable_additional_properties": true}')
     _engine_flags(srv)
 
-    bench = sub.add_parser("bench", help="run the benchmark scripts in tests/bench (a source checkout)")
+    bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
+                           description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("names", nargs="*", help="scripts to run (default: all), e.g. e2e worker_step")
+    bench.add_argument("--scripts", type=Path, default=None, metavar="DIR",
+                       help=f"the benchmark folder (a checkout's tests/bench; default: ${BENCH_SCRIPTS_ENV}, "
+                            "else the checkout this raydecode runs from)")
     bench.add_argument("--quick", action="store_true", help="pass --quick to each script")
     bench.add_argument("--out", type=Path, default=Path("bench-results"),
                        help="folder for the scripts' results, results.md and throughput.png "
@@ -462,10 +477,31 @@ def _interrupt(signum: int, frame: Any) -> None:
 # -- bench ----------------------------------------------------------------------------
 
 
-def _bench(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def bench_folder(ap: argparse.ArgumentParser, given: Path | None) -> Path:
+    """The benchmark scripts' folder: ``--scripts``, else ``$RAYDECODE_BENCH_SCRIPTS``,
+    else ``tests/bench`` of the checkout this package runs from. An installed package
+    has none (exits 2 saying so); a folder without ``_report.py`` is not ours (a
+    ``tests`` folder some other package left in site-packages, a wrong path)."""
+    if given is None and os.environ.get(BENCH_SCRIPTS_ENV):
+        given, source = Path(os.environ[BENCH_SCRIPTS_ENV]), f"${BENCH_SCRIPTS_ENV}"
+    else:
+        source = "--scripts"
+    if given is not None:
+        folder = given.expanduser().resolve()
+        if not (folder / "_report.py").is_file():
+            ap.error(f"{source} {given}: not raydecode's benchmark folder (a source checkout's tests/bench, "
+                     "with _report.py)")
+        return folder
     folder = Path(__file__).resolve().parent.parent / "tests" / "bench"
-    if not folder.is_dir():
-        ap.error(f"{folder} not found: bench runs from a source checkout")
+    if not (folder / "_report.py").is_file():
+        ap.error("the benchmark scripts are not part of the installed package: they live in a source checkout, "
+                 f"in tests/bench. Run `raydecode bench --scripts CHECKOUT/tests/bench` (or set "
+                 f"{BENCH_SCRIPTS_ENV}), or `make bench` in the checkout")
+    return folder
+
+
+def _bench(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    folder = bench_folder(ap, args.scripts)
     scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if args.names:
         known = {p.stem: p for p in scripts}
