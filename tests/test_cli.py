@@ -127,6 +127,45 @@ def test_engine_flags_take_vllms_names_and_json():
     assert gen.seed == 7 and engine_kwargs(gen) == {"seed": 9}  # generate's --seed samples; the engine's is renamed
 
 
+def test_bench_finds_its_scripts_by_flag_env_or_checkout(tmp_path, monkeypatch, capfd):
+    """``--scripts DIR`` wins over ``$RAYDECODE_BENCH_SCRIPTS``, which wins over this
+    checkout's tests/bench; a folder without ``_report.py`` is refused naming where it
+    came from. (An installed package with no checkout: tests/test_installed_package.py.)"""
+    from deploy.cli import BENCH_SCRIPTS_ENV, bench_folder
+
+    monkeypatch.delenv(BENCH_SCRIPTS_ENV, raising=False)
+    here = ROOT / "tests" / "bench"
+    assert bench_folder(_parser(), None) == here
+    other = tmp_path / "checkout" / "tests" / "bench"
+    other.mkdir(parents=True)
+    (other / "_report.py").write_text("import sys; print('report of', sys.argv[1])\n")
+    (other / "fake.py").write_text(
+        "import os, pathlib, sys\n"
+        "pathlib.Path(os.environ['RAYDECODE_BENCH_OUT'], 'fake.json').write_text(os.getcwd() + ' ' + sys.argv[-1])\n")
+    monkeypatch.setenv(BENCH_SCRIPTS_ENV, str(other))
+    assert bench_folder(_parser(), None) == other.resolve()
+    assert bench_folder(_parser(), here) == here
+
+    # The named folder's scripts run, from its checkout's root, and its report follows.
+    out = tmp_path / "out"
+    assert main(["bench", "--quick", "--out", str(out)]) == 0
+    assert (out / "fake.json").read_text() == f"{(tmp_path / 'checkout').resolve()} --quick"
+    assert f"report of {out.resolve()}" in capfd.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--scripts", str(here), "fake"])
+    assert exit_.value.code == 2 and "unknown benchmark(s) ['fake']" in capfd.readouterr().err
+
+    monkeypatch.setenv(BENCH_SCRIPTS_ENV, str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "e2e"])
+    assert exit_.value.code == 2
+    assert f"${BENCH_SCRIPTS_ENV} {tmp_path}: not raydecode's benchmark folder" in capfd.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--scripts", str(tmp_path / "nowhere")])
+    assert exit_.value.code == 2
+    assert f"--scripts {tmp_path / 'nowhere'}: not raydecode's benchmark folder" in capfd.readouterr().err
+
+
 def test_bad_jsonl_names_the_line(tmp_path, capsys):
     f = tmp_path / "in.jsonl"
     f.write_text('{"prompt": "ok"}\n{oops\n')
