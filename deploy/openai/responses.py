@@ -46,7 +46,8 @@ def prompt_logprobs_json(positions: Sequence[dict[int, Any]] | None) -> list[dic
         if not position:
             out.append(None)
             continue
-        out.append({str(tok): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        out.append({str(tok): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank,
+                               "decoded_token": lp.decoded_token}
                     for tok, lp in position.items()})
     return out
 

@@ -32,6 +32,8 @@ from deploy.openai.tool_parsers import ToolCall, ToolCallDelta
 
 
 def chat_logprobs(c: CompletionOutput, top: int, text: TokenText) -> ChoiceLogprobs | None:
+    """The chat endpoint's shape: per generated token its logprob and bytes, and the
+    ``top`` most likely (-1: all) best first."""
     if c.logprobs is None:
         return None
     content = []
