@@ -46,3 +46,22 @@ peers:
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# The GPU machine (no network): `make gpu-bundle` here downloads into .gpu-bundle/ the
+# wheels (CPython 3.12, manylinux x86_64) its image lacks: Ray without its Java jar,
+# msgspec, llguidance, jsonschema, gguf... (tests/gpu/bundle.py; about 47 MiB). There,
+# with .gpu-bundle carried beside the checkout, `make gpu-check` (or python3
+# tests/gpu_check.py) installs them, checks the imports and a Ray start, runs the tests
+# marked cuda and tests/bench/gpu.py --quick; results in $$RAYDECODE_GPU_RESULTS, $$OUT
+# or gpu-results/. Without CUDA it runs the bundle's static check and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-bundle gpu-check
+
+gpu-bundle:
+	@test -x $(PY) || { echo "$(PY) missing: make setup first"; exit 1; }
+	$(PY) tests/gpu/bundle.py
+
+gpu-check:
+	$(GPU_PYTHON) tests/gpu_check.py $(GPU_CHECK_ARGS)
