@@ -33,3 +33,22 @@ def ray_local():
     import ray
 
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a CUDA GPU: skipped, with the reason, where
+    torch.cuda.is_available() is false (tests/gpu_check.py runs them on the GPU machine)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    try:
+        import torch
+
+        available, why = torch.cuda.is_available(), f"torch {torch.__version__}"
+    except Exception as exc:  # noqa: BLE001  (torch missing or broken: no CUDA either way)
+        available, why = False, f"torch does not import: {exc}"
+    if available:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch.cuda.is_available() is false ({why})")
+    for item in cuda_items:
+        item.add_marker(skip)
