@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import make_worker, prompts
 from sampler.params import SamplingParams
-from test_model_runner import make_worker, prompts
 from worker.cpu.packed_linear import (
     MKL_PACK_ROWS,
     MklPackedWeight,

@@ -39,8 +39,8 @@ from cluster import LLM, RequestOutput
 from cluster.engine import LLMEngine
 from cluster.output_processor import apply_reply
 from conftest import start_local_ray
+from helpers import prompts
 from sampler.params import SamplingParams
-from test_model_runner import prompts
 from worker.transport.step_channel import shutdown_connection
 
 VOCAB = 400

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_worker, prompts
 from sampler.params import SamplingParams
-from test_model_runner import make_worker, prompts
 from tiny_model import build_tiny_model
 from worker.cpu.kernels import load as load_cpu_kernels
 from worker_driver import MiniDriver

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, RequestOutput
+from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
-from test_model_runner import assert_greedy_equal, generate, prompts
 
 VOCAB = 400
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

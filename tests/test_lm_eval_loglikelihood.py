@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from ray import serve
 
-from deploy.serve import build_app
+from helpers import served
 from hf_reference import HFReference
-from test_serve_openai import _free_port
 
 PAIRS = [
     ("the quick brown fox", " jumps over the lazy dog"),
@@ -24,13 +22,9 @@ PAIRS = [
 
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_model_path):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": tiny_model_path, "served_model_name": "tiny",
-                         "engine": {"max_num_seqs": 8, "max_model_len": 256, "worker_num_cpus": 1}}),
-              name="lm-eval", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with served({"model": tiny_model_path, "served_model_name": "tiny",
+                 "engine": {"max_num_seqs": 8, "max_model_len": 256, "worker_num_cpus": 1}}, "lm-eval") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

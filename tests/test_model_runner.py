@@ -7,63 +7,19 @@ forward and prepacked linears.
 
 from __future__ import annotations
 
-import copy
-
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import SEEDED, assert_greedy_equal, generate, make_worker, prompts, run_alone_and_mixed
 from sampler.params import SamplingParams
-from worker.transport.actor import Worker
 from worker.runner.model_loader import ModelLoadError, load_model
-from worker.config import WorkerConfig
-from worker_driver import MiniDriver, Req, greedy_divergence
-
-NEAR_TIE = 1e-4
+from worker_driver import MiniDriver, Req
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-
-
-def make_worker(path: str, **config) -> Worker:
-    config.setdefault("max_num_seqs", 4)
-    config.setdefault("max_model_len", 256)
-    w = Worker()
-    w.load(WorkerConfig(model=path, **config))
-    return w
-
-
-def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def generate(model, prompt: list[int], n: int) -> list[int]:
-    """``n`` greedy tokens; like ignore_eos, EOS neither stops nor is suppressed (so not
-    ``min_new_tokens``, which bans EOS)."""
-    saved = model.generation_config
-    model.generation_config = copy.deepcopy(saved)
-    model.generation_config.eos_token_id = None
-    try:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
-            )
-    finally:
-        model.generation_config = saved
-    assert out.shape[1] == len(prompt) + n
-    return out[0, len(prompt):].tolist()
-
-
-def assert_greedy_equal(model, prompt, ours, ref) -> None:
-    div = greedy_divergence(model, prompt, ours, ref)
-    if div is not None:
-        pos, gap = div
-        assert gap < NEAR_TIE, f"diverged at token {pos} where the top-2 gap is {gap:.3g} (not a near-tie)"
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -129,25 +85,6 @@ def test_speculative_decoding_greedy_equals_plain(tiny_model_path, reference, ca
     for i, p in enumerate(ps):
         assert len(outs[4][f"r{i}"]) == 32
         assert_greedy_equal(reference, p, outs[4][f"r{i}"], outs[0][f"r{i}"])
-
-
-def run_alone_and_mixed(new_step_fn, target: SamplingParams, prompt):
-    """The target request alone, then joining a busy batch (other rows, another row
-    index, a later step, smaller prefill chunks, swaps). ``new_step_fn()`` gives the
-    step function of a fresh worker."""
-    d = MiniDriver(new_step_fn(), max_rows=4)
-    d.submit("t", prompt, target)
-    alone = d.run()["t"].output
-    d = MiniDriver(new_step_fn(), max_rows=4, chunk=7, swap_seed=1)
-    noise = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
-    for i, p in enumerate(prompts(400, [11, 30, 5, 22, 8], seed=9)):
-        d.submit(f"n{i}", p, noise, arrival_step=i)
-    d.submit("t", prompt, target, arrival_step=2)
-    mixed = d.run()["t"].output
-    return alone, mixed
-
-
-SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
 
 
 @pytest.mark.parametrize("num_spec_tokens", [0, 3])

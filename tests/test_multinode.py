@@ -13,8 +13,8 @@ import ray
 
 from cluster import LLM, RequestOutput
 from conftest import start_local_ray
+from helpers import free_port, prompts
 from sampler.params import SamplingParams
-from test_model_runner import prompts
 
 
 @contextlib.contextmanager
@@ -105,10 +105,9 @@ def test_serve_places_the_worker_on_the_node_with_the_resource(resource_cluster,
     from ray import serve
 
     from deploy.serve import build_app
-    from test_serve_openai import _free_port
 
     cluster, node = resource_cluster
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({
         "model": tiny_model_path,

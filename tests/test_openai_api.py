@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from deploy.serve import OpenAIServer, ServerArgs
+from helpers import TEMPLATE, free_port
 from hf_reference import HFReference
-from test_serve_openai import TEMPLATE, _free_port
 
 KEY = "sk-api"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -35,7 +35,7 @@ def server(ray_local, tiny_model_path):
     """One server for the module; its workers load a test logits processor
     (``procs_for_tests``, on their PYTHONPATH) that bans the previous token for requests
     whose ``vllm_xargs`` say ``ban_last``."""
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ServerArgs.model_validate({
         "model": tiny_model_path, "served_model_name": "tiny", "api_key": KEY, "chat_template": TEMPLATE,

@@ -133,7 +133,7 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
     assert not q.is_contiguous()
     kernel = CpuPagedKernel(load(), prefill_queries=queries)
     plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"), kernel)
-    assert plan.kernel_rows is not None
+    assert plan.kernel_state is not None
     with tiled_isa(isa):
         got = attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
     # the reference runs in float32 on the same values: a bf16 torch path rounds its
@@ -142,7 +142,7 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
     exact.keys[0].copy_(cache.keys[0].float())
     exact.values[0].copy_(cache.values[0].float())
     plan = AttentionPlan.build(exact, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
-    assert plan.kernel_rows is None
+    assert plan.kernel_state is None
     want = attend_cached(q.float(), plan, 0, dim ** -0.5, window, softcap)
     assert got.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (2**-8 relative)
@@ -150,7 +150,7 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
 
 
 def test_greedy_output_with_the_kernel_equals_the_torch_path(tiny_model_path):
-    from test_model_runner import make_worker, prompts
+    from helpers import make_worker, prompts
     from sampler.params import SamplingParams
     from worker_driver import MiniDriver
 

@@ -3,9 +3,9 @@
 Example tests pin the seeds' row bookkeeping, FCFS/priority order, preemption of the
 newest sequence, self-preemption and chunked prefill. A hypothesis simulation drives one
 scheduler for many steps (arrivals, finishes, aborts, preemption under a small KV budget)
-against a shadow worker that applies every StepRequest by the protocol's rules, checks
-the row, token, KV and ordering invariants after each step, and finally checks that
-every sequence finishes once arrivals stop.
+against a shadow worker (``helpers.ShadowWorker``) that applies every StepRequest by the
+protocol's rules, checks the row, token, KV and ordering invariants after each step, and
+finally checks that every sequence finishes once arrivals stop.
 """
 
 from __future__ import annotations
@@ -23,24 +23,12 @@ from hypothesis import strategies as st
 
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
+from helpers import TOKENIZER, ShadowRow, ShadowWorker
 from sampler.params import SamplingParams
-from worker.transport.protocol import MovedRows, StepRequest
+from worker.transport.protocol import MovedRows
 
 MAX_MODEL_LEN = 96
 MAX_PROMPT = 80
-
-
-class FakeTokenizer:
-    """Enough of a tokenizer for the detokenizer: one letter per token."""
-
-    def decode(self, ids: Seq[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
-        return "".join(chr(97 + int(t) % 26) for t in ids)
-
-    def batch_decode(self, batch: Seq[Seq[int]], skip_special_tokens: bool = True) -> list[str]:
-        return [self.decode(ids) for ids in batch]
-
-
-TOKENIZER = FakeTokenizer()
 
 
 def make_seq(
@@ -79,68 +67,6 @@ def merge_reply(step: ScheduledStep, sampled: dict[str, list[int]] | None = None
 
 def ids(seqs: Seq[Sequence | None]) -> list[str | None]:
     return [None if s is None else s.seq_id for s in seqs]
-
-
-# -- shadow worker ---------------------------------------------------------------------
-
-
-@dataclass
-class ShadowRow:
-    seq_id: str
-    tokens: list[int]
-    computed: int = 0
-
-
-class ShadowWorker:
-    """The worker's persistent batch: applies a StepRequest as the worker does (removes,
-    adds, moves in order), checking that each change makes sense, then runs the step."""
-
-    def __init__(self) -> None:
-        self.rows: list[ShadowRow | None] = []
-
-    def apply(self, msg: StepRequest, replaceable: set[str]) -> None:
-        """``replaceable``: the sequences that left since the last step (a refilled
-        freed row is not listed in ``removed``, so an add may overwrite only those)."""
-        rows = self.rows
-        assert len(set(msg.removed)) == len(msg.removed), f"duplicate removes {msg.removed}"
-        for r in msg.removed:
-            assert r < len(rows) and rows[r] is not None, f"removed row {r} holds nothing"
-            assert rows[r].seq_id in replaceable, f"removed row {r} holds running {rows[r].seq_id}"
-            rows[r] = None
-        for add in msg.added:
-            assert add.row <= len(rows), f"add into row {add.row} leaves a gap ({len(rows)} rows)"
-            if add.row == len(rows):
-                rows.append(None)
-            old = rows[add.row]
-            assert old is None or old.seq_id in replaceable, f"add overwrites running {old.seq_id}"
-            tokens = add.prompt_token_ids.numpy().tolist() + add.output_token_ids.numpy().tolist()
-            rows[add.row] = ShadowRow(add.request_id, tokens)
-        for mv in msg.moved:
-            assert not mv.swap, f"{mv}: only unidirectional moves"
-            assert mv.a > mv.b, f"{mv}: moves go from a higher row to a lower one"
-            assert mv.a < len(rows) and rows[mv.a] is not None, f"{mv}: source row is empty"
-            assert rows[mv.b] is None, f"{mv}: target row holds {rows[mv.b].seq_id}"
-            rows[mv.b], rows[mv.a] = rows[mv.a], None
-        n = msg.batch_size
-        assert len(rows) >= n and all(r is not None for r in rows[:n]), f"holes below batch_size {n}: {rows}"
-        assert all(r is None for r in rows[n:]), f"requests left above batch_size {n}"
-        del rows[n:]
-        assert len({r.seq_id for r in rows}) == n, "a request holds two rows"
-        assert len(msg.num_scheduled_tokens) == n
-
-    def run(self, msg: StepRequest, rng: random.Random, num_spec_tokens: int) -> dict[str, list[int]]:
-        """Runs the scheduled tokens; a row that reaches its last known token samples one
-        token plus up to ``num_spec_tokens`` accepted drafts. Returns what each sampled."""
-        sampled: dict[str, list[int]] = {}
-        for row, n in zip(self.rows, msg.num_scheduled_tokens.numpy().tolist()):
-            assert 0 <= n <= len(row.tokens) - row.computed, f"{row.seq_id}: {n} tokens scheduled"
-            row.computed += n
-            if n and row.computed == len(row.tokens):
-                new = [rng.randrange(1, 1000) for _ in range(1 + rng.randint(0, num_spec_tokens))]
-                row.tokens += new
-                row.computed = len(row.tokens) - 1
-                sampled[row.seq_id] = new
-        return sampled
 
 
 # -- simulation ------------------------------------------------------------------------

@@ -7,7 +7,6 @@ answers a normal request, and no request is left running in the engine."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import Counter
 import threading
 import time
@@ -18,9 +17,8 @@ import schemathesis
 from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from ray import serve
 
-from deploy.serve import build_app
+from helpers import served
 
 # A template that refuses conversations that do not start with a user turn, the way
 # many real templates do (raise_exception is provided by transformers).
@@ -31,27 +29,15 @@ TEMPLATE = (
 MAX_N = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_model_path):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(
-        build_app({
-            "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE,
-            "engine": {"max_num_seqs": 16, "max_model_len": 128, "worker_num_cpus": 1, "max_n": MAX_N,
-                       "max_sequences_per_request": 8, "max_stop_strings": 4},
-            "max_ongoing_requests": 256, "max_queued_requests": 256,
-        }),
-        name="hostile", route_prefix="/",
-    )
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with served({
+        "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE,
+        "engine": {"max_num_seqs": 16, "max_model_len": 128, "worker_num_cpus": 1, "max_n": MAX_N,
+                   "max_sequences_per_request": 8, "max_stop_strings": 4},
+        "max_ongoing_requests": 256, "max_queued_requests": 256,
+    }, "hostile") as url:
+        yield url
 
 
 def running(server: str) -> int:

@@ -5,40 +5,26 @@ key, aborts on disconnect, backpressure and a burst of concurrent requests."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-from ray import serve
+from helpers import TEMPLATE, free_port, served
 
-from deploy.serve import build_app
-
-TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 KEY = "sk-test"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # tests/test_cli.py still imports it from here
 
 
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_model_path):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(
-        build_app({
-            "model": tiny_model_path, "served_model_name": "tiny", "api_key": KEY, "chat_template": TEMPLATE,
-            "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
-            "max_ongoing_requests": 32, "max_queued_requests": 64,
-        }),
-        name="openai", route_prefix="/",
-    )
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with served({
+        "model": tiny_model_path, "served_model_name": "tiny", "api_key": KEY, "chat_template": TEMPLATE,
+        "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
+        "max_ongoing_requests": 32, "max_queued_requests": 64,
+    }, "openai") as url:
+        yield url
 
 
 @pytest.fixture

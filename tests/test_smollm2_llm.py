@@ -8,9 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM
+from helpers import QUESTIONS, assert_greedy_equal, generate
 from sampler.params import SamplingParams
-from test_model_runner import assert_greedy_equal, generate
-from test_smollm2_worker import QUESTIONS
 
 pytestmark = pytest.mark.smollm2
 

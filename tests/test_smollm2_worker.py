@@ -8,25 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import QUESTIONS, assert_greedy_equal, generate
 from sampler.params import SamplingParams
 from worker.transport.actor import create_worker, decode_info
 from worker.runner.model_loader import default_model_path
 from worker.config import WorkerConfig
 from worker_driver import MiniDriver
-from test_model_runner import assert_greedy_equal, generate
 
 pytestmark = pytest.mark.smollm2
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion to a five year old in two sentences.",
-    "List three prime numbers.",
-    "Hi!",
-    "Translate 'good morning' into Spanish and German, and say which language has more speakers.",
-    "What does a Ray actor do? Answer briefly, like a teacher speaking to a new student on their first day.",
-    "2+2=",
-]
 
 
 @pytest.fixture(scope="module")

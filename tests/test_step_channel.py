@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
-from test_model_runner import assert_greedy_equal, generate, prompts
 from worker.transport.actor import StaleStep, Worker, create_worker, decode_info
 from worker.transport.compute_thread import ComputeThread
 from worker.config import WorkerConfig

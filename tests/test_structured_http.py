@@ -17,8 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app import post_json, served
-from test_serve_openai import TEMPLATE
+from helpers import TEMPLATE, post_json, served
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, RequestOutput
+from helpers import NEAR_TIE, prompts
 from sampler.params import SamplingParams, StructuredOutputsParams
-from test_model_runner import NEAR_TIE, prompts
 from worker.runner.structured_output import GrammarCompiler
 
 VOCAB = 400

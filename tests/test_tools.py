@@ -24,7 +24,7 @@ from deploy.openai.tool_parsers import (
     NamedFunctionParser,
     RequiredCallsParser,
 )
-from serve_app import post_json, served
+from helpers import post_json, served
 
 # A Hermes / Qwen-style template: the tools in a system turn (their names only: the
 # tiny model's 512 positions cannot hold their schemas), earlier calls as <tool_call>

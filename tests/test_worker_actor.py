@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
 from sampler.params import SamplingParams
 from worker.transport.actor import create_worker, decode_info
 from worker.transport.protocol import (
@@ -21,7 +22,6 @@ from worker.transport.protocol import (
 )
 from worker.config import WorkerConfig
 from worker_driver import MiniDriver
-from test_model_runner import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
 
 TESTS_DIR = os.path.dirname(__file__)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -24,6 +23,7 @@ import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx  # noqa: E402
@@ -32,14 +32,9 @@ from ray import serve  # noqa: E402
 
 from _results import Row, emit  # noqa: E402
 from deploy.serve import build_app  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 TARGET_S = 1.0  # neither the stream nor /health may stall this long
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -49,7 +44,7 @@ def main() -> None:
     ap.add_argument("--megabytes", type=int, default=20)
     args = ap.parse_args()
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": args.model, "served_model_name": "m",
                          "engine": {"max_num_seqs": 8, "max_model_len": 2048}}), name="ingress", route_prefix="/")

@@ -90,7 +90,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -104,6 +103,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import httpx  # noqa: E402
@@ -113,6 +113,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from _load_generator import LoadRequest, LoadResult, percentile, run_load, served_model, wait_ready  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
+from helpers import free_port  # noqa: E402
 from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, run_ours  # noqa: E402
 from worker.runner.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 
@@ -236,12 +237,6 @@ def stop_group(proc: subprocess.Popen[Any], seen: list[psutil.Process] | None = 
         with contextlib.suppress(psutil.Error):
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 p.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tail(path: Path, n: int = 25) -> str:
