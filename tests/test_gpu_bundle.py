@@ -131,6 +131,17 @@ def test_version_clash_with_the_machine(tmp_path):
     assert "machine has tokenizers 0.23.2" in report.problems[0].detail
 
 
+def test_our_own_requirements(tmp_path):
+    """pyproject's dependencies (the manifest's project_requires) are checked too."""
+    complete_set(tmp_path)
+    assert check_bundle(tmp_path, machine(), extras={}, project=["lib>=2", "tokenizers>=0.20"]).ok
+    report = check_bundle(tmp_path, machine(), extras={}, project=["tokenizers>=0.30", "absent"])
+    assert sorted((p.kind, p.package) for p in report.problems) == [
+        ("missing", "raydecode"), ("version", "raydecode")]
+    (tmp_path / "manifest.json").write_text('{"project_requires": ["lib>=3"]}')
+    assert check_bundle(tmp_path, machine(), extras={}).kinds() == {"version"}
+
+
 def test_duplicate_and_forbidden_wheels(tmp_path):
     make_wheel(tmp_path, "lib", "2.1")
     make_wheel(tmp_path, "lib", "2.2")
@@ -142,7 +153,7 @@ def test_duplicate_and_forbidden_wheels(tmp_path):
 def test_machine_packages_file_parses():
     pkgs = read_machine_packages(MACHINE_PACKAGES)
     assert str(pkgs["transformers"]) == "5.17.0" and str(pkgs["torch"]) == "2.11.0"
-    assert "prometheus-client" in pkgs and pkgs["pytest-timeout"] is None
+    assert str(pkgs["packaging"]) == "26.3" and "pytest-timeout" in pkgs
     for absent in ("ray", "msgspec", "llguidance", "jsonschema", "gguf", "pydantic", "fastapi"):
         assert absent not in pkgs
 

@@ -7,7 +7,8 @@ turn: Ray (its Java jar and the dashboard's source maps taken out, so that the t
 bundle fit the 64 MiB a device call carries), msgspec, llguidance, jsonschema and its small
 dependencies, gguf. Each is pinned to the version this checkout's .venv runs, where that
 meets the requirement. Never torch, triton or nvidia-*; nothing the machine has, unless a
-requirement needs a newer version than it has.
+requirement (a wheel's, or pyproject.toml's own: transformers>=4.46 against the machine's
+5.17.0, say) needs a newer version than it has.
 
 The HTTP side (deploy/: Ray Serve's extras, FastAPI, Starlette, uvicorn, pydantic, openai)
 is a second tier, left out by default: ``--http`` adds it (see the report it prints).
@@ -55,6 +56,10 @@ LIMIT_MIB = 60
 CORE = {"ray": [], "msgspec": [], "llguidance": [], "jsonschema": [], "gguf": []}
 #: deploy/ (the OpenAI-compatible HTTP server) on top: Serve's extras and the API models.
 HTTP = {"ray": ["serve"], "openai": [], "fastapi": [], "starlette": [], "pydantic": []}
+
+#: pyproject.toml's dependencies only deploy/ needs (the core tier leaves them out, and asks
+#: ray without its serve extra).
+HTTP_ONLY = {"openai"}
 
 #: The members of Ray's wheel not needed to run Python Ray: the Java workers' jar (34 MB)
 #: and the dashboard UI's source maps.
@@ -166,18 +171,20 @@ def verify_record(path: Path) -> list[str]:
     return errors
 
 
-def resolve(roots: dict[str, list[str]], machine: dict[str, Version | None]):
-    """The closure of ``roots`` over Requires-Dist, less what the machine has. Returns
-    {name: (wheel path in the cache, why)} and the requested extras per name."""
+def resolve(roots: dict[str, list[str]], machine: dict[str, Version | None], project: list[str]):
+    """The closure of ``roots`` and ``project`` (requirement lines) over Requires-Dist,
+    less what the machine has. Returns {name: (wheel path in the cache, why)} and the
+    requested extras per name."""
     picked: dict[str, tuple[Path, str]] = {}
     extras: dict[str, set[str]] = {canonicalize_name(k): set(v) for k, v in roots.items()}
     queue: list[tuple[str, SpecifierSet, str]] = [(canonicalize_name(k), SpecifierSet(), "ours") for k in roots]
+    for line in project:
+        req = Requirement(line)
+        queue.append((canonicalize_name(req.name), req.specifier, "ours"))
     env = dict(TARGET_ENV)
     done_extras: dict[str, set[str]] = {}
     while queue:
         name, spec, why = queue.pop(0)
-        if FORBIDDEN.match(name):
-            raise SystemExit(f"{why} needs {name}: never bundled (the machine's build is used)")
         if name in picked:
             have = read_wheel(picked[name][0]).version
             if spec and not spec.contains(have, prereleases=True):
@@ -188,9 +195,11 @@ def resolve(roots: dict[str, list[str]], machine: dict[str, Version | None]):
             have = machine[name]
             if have is None or not spec or spec.contains(have, prereleases=True):
                 if why == "ours":
-                    log(f"  {name}: on the machine ({have or 'version unknown'}), not bundled")
+                    log(f"  {name}{spec}: the machine has {have or 'it (version unknown)'}, not bundled")
                 continue
             log(f"  {why} needs {name}{spec}; the machine has {have}: bundled")
+        if FORBIDDEN.match(name):
+            raise SystemExit(f"{why} needs {name}{spec}: never bundled (the machine's build is used)")
         if name not in picked:
             picked[name] = (fetch(name, spec), why)
         info = read_wheel(picked[name][0])
@@ -205,6 +214,24 @@ def resolve(roots: dict[str, list[str]], machine: dict[str, Version | None]):
                 extras.setdefault(dep, set()).update(canonicalize_name(e) for e in req.extras)
             queue.append((dep, req.specifier, name))
     return picked, extras
+
+
+def project_requires(http: bool) -> list[str]:
+    """pyproject.toml's dependencies, less the HTTP side's unless ``http``: checked (and
+    resolved) as a wheel's requirements are, so a machine package older than our floor
+    is bundled, or reported."""
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    out = []
+    for line in deps:
+        req = Requirement(line)
+        if not http:
+            if canonicalize_name(req.name) in HTTP_ONLY:
+                continue
+            req.extras = set()
+        out.append(str(req))
+    return out
 
 
 def tracked_bytes() -> int:
@@ -240,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             roots[k] = sorted(set(roots.get(k, [])) | set(v))
     names = ", ".join(k + (f"[{','.join(v)}]" if v else "") for k, v in roots.items())
     log(f"resolving {names} for CPython {PY_VERSION}, manylinux x86_64")
-    picked, extras = resolve(roots, machine)
+    project = project_requires(args.http)
+    picked, extras = resolve(roots, machine, project)
 
     wheels = []
     keep: set[str] = set()
@@ -287,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "built": time.strftime("%Y-%m-%d %H:%M:%S"),
         "tiers": ["core"] + (["http"] if args.http else []),
         "extras": {k: sorted(v) for k, v in extras.items() if v},
+        "project_requires": project,
         "left_out": [] if args.http else
         ["HTTP side (deploy/): ray[serve] extras, openai, fastapi, starlette, uvicorn, pydantic "
          "(bundle.py --http adds them)"],

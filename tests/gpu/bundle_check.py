@@ -7,6 +7,8 @@ that the set is closed: every requirement of every bundled wheel (its METADATA's
 Requires-Dist, markers evaluated for CPython 3.12 on Linux x86_64, an ``extra`` marker only
 for the extras requested) is met by another wheel of the bundle or by a package the machine
 already has (tests/gpu/machine_packages.txt, with the version checked where it is known).
+Our own requirements (pyproject.toml's dependencies less the HTTP side's, recorded in the
+manifest as ``project_requires``) are checked the same way, as those of ``raydecode``.
 
 Requested extras: those named in the bundle's manifest.json (``"extras": {"ray": []}``),
 or passed in, plus the extras that a met requirement names (``uvicorn[standard]``).
@@ -45,6 +47,9 @@ TARGET_ENV: dict[str, str] = {
     "python_version": "3.12",
     "sys_platform": "linux",
 }
+
+#: The name our own requirements (pyproject.toml's) are reported under.
+PROJECT = "raydecode"
 
 #: Never carried: the machine's own CUDA build of these is what we run against.
 FORBIDDEN = re.compile(r"^(torch|triton|nvidia-.*)$")
@@ -142,10 +147,10 @@ def _applies(req: Requirement, extras: set[str], env: dict[str, str]) -> bool:
     return False
 
 
-def _manifest_extras(bundle_dir: Path) -> dict[str, list[str]]:
+def _manifest(bundle_dir: Path) -> dict:
     manifest = bundle_dir / "manifest.json"
     if manifest.exists():
-        return json.loads(manifest.read_text()).get("extras", {})
+        return json.loads(manifest.read_text())
     return {}
 
 
@@ -154,19 +159,24 @@ def check_bundle(
     machine: dict[str, Version | None] | Path | str | None = None,
     extras: dict[str, list[str] | set[str]] | None = None,
     env: dict[str, str] | None = None,
+    project: list[str] | None = None,
 ) -> Report:
     """Check the wheels in ``bundle_dir`` (see the module's docstring).
 
     ``machine``: the machine's packages (a mapping, or a file as machine_packages.txt;
     default: that file). ``extras``: package -> extras requested (default: the bundle's
-    manifest.json, else none). ``env``: marker environment (default: TARGET_ENV)."""
+    manifest.json, else none). ``env``: marker environment (default: TARGET_ENV).
+    ``project``: our own requirements, checked as those of the wheels are (default: the
+    manifest's ``project_requires``: pyproject.toml's dependencies, less the HTTP side's)."""
     bundle_dir = Path(bundle_dir)
     if machine is None or isinstance(machine, (str, Path)):
         machine = read_machine_packages(machine or MACHINE_PACKAGES)
     machine = {canonicalize_name(k): v for k, v in machine.items()}
     env = {**default_environment(), **TARGET_ENV, **(env or {})}
     if extras is None:
-        extras = _manifest_extras(bundle_dir)
+        extras = _manifest(bundle_dir).get("extras", {})
+    if project is None:
+        project = _manifest(bundle_dir).get("project_requires", [])
     report = Report()
     report.extras = {canonicalize_name(k): {canonicalize_name(e) for e in v} for k, v in extras.items()}
 
@@ -195,35 +205,38 @@ def check_bundle(
         unverified: list[str] = []
         not_needed: list[str] = []
         requested = {k: set(v) for k, v in report.extras.items()}
-        for info in report.wheels.values():
-            for line in info.requires:
+        needs = [(info.name, info.requires) for info in report.wheels.values()]
+        if project:
+            needs.append((PROJECT, project))
+        for who, lines in needs:
+            for line in lines:
                 try:
                     req = Requirement(line)
                 except InvalidRequirement as exc:
-                    problems.append(Problem("bad-wheel", info.name, line, str(exc)))
+                    problems.append(Problem("bad-wheel", who, line, str(exc)))
                     continue
-                if not _applies(req, requested.get(info.name, set()), env):
-                    not_needed.append(f"{info.name}: {line}")
+                if not _applies(req, requested.get(who, set()), env):
+                    not_needed.append(f"{who}: {line}")
                     continue
                 dep = canonicalize_name(req.name)
                 if dep in report.wheels:
                     have = report.wheels[dep].version
                     if req.specifier and not req.specifier.contains(have, prereleases=True):
                         problems.append(
-                            Problem("version", info.name, line, f"the bundle has {dep} {have}")
+                            Problem("version", who, line, f"the bundle has {dep} {have}")
                         )
                 elif dep in machine:
                     have = machine[dep]
                     if have is None:
                         if req.specifier:
-                            unverified.append(f"{info.name}: {line} (machine: {dep}, version unknown)")
+                            unverified.append(f"{who}: {line} (machine: {dep}, version unknown)")
                     elif req.specifier and not req.specifier.contains(have, prereleases=True):
                         problems.append(
-                            Problem("version", info.name, line, f"the machine has {dep} {have}")
+                            Problem("version", who, line, f"the machine has {dep} {have}")
                         )
                 else:
                     problems.append(
-                        Problem("missing", info.name, line, f"{dep} is neither bundled nor on the machine")
+                        Problem("missing", who, line, f"{dep} is neither bundled nor on the machine")
                     )
                     continue
                 if req.extras:
