@@ -44,6 +44,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, RayTaskError
 
+from cluster.block_manager import model_salt
 from cluster.config import EngineConfig
 from cluster.inputs import PromptBudget, PromptType, tokenize_prompt
 from cluster.metrics import EngineMetrics, SchedulerStats
@@ -178,7 +179,9 @@ class LLMEngine:
             num_spec_tokens=c.num_spec_tokens,
             decodes_first=c.decodes_first,
             enable_prefix_caching=c.enable_prefix_caching,
-            cache_salt=info.model_name,
+            # The same on every worker of the engine (one model, one dtype): a sequence's
+            # keys are probed against every worker's cache (prefix routing).
+            cache_salt=model_salt(info.model_name, info.dtype),
         )
         self.pool.activated(slot)
 

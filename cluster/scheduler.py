@@ -104,7 +104,7 @@ class WorkerScheduler:
         num_spec_tokens: int = 0,
         decodes_first: bool = False,
         enable_prefix_caching: bool = True,
-        cache_salt: object = None,
+        cache_salt: str | bytes | None = None,
     ) -> None:
         self.max_rows = max_rows
         self.token_budget = max_num_batched_tokens
@@ -192,9 +192,8 @@ class WorkerScheduler:
         for seq in seqs:
             full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
             done = seq.num_registered_blocks
-            if full > done:
-                keys = seq.full_block_keys(blocks, full)
-                blocks.register(seq.block_ids[done:full], keys[done:full])
+            if full > done:  # only the new blocks' keys: O(new), not O(all) per step
+                blocks.register(seq.block_ids[done:full], seq.full_block_keys(blocks, full, done))
                 seq.num_registered_blocks = full
 
     # -- one step -----------------------------------------------------------------------
@@ -313,7 +312,7 @@ class WorkerScheduler:
             seq.block_ids.extend(new)
             self._new_blocks.setdefault(id(seq), []).extend(new)
 
-    def reusable_prefix(self, seq: Sequence) -> list[tuple]:
+    def reusable_prefix(self, seq: Sequence) -> list[bytes]:
         """Content keys of the blocks ``seq`` may take from the prefix cache: its full
         blocks before its last known token (that one is always computed, to sample
         from), none while it still needs prompt logprobs it has not recorded."""

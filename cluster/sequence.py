@@ -57,8 +57,9 @@ class Sequence:
         self.block_ids: list[int] = []
         #: leading blocks of ``block_ids`` whose content is registered for reuse
         self.num_registered_blocks = 0
-        #: content keys of its full blocks so far (tokens only grow, so they stay valid)
-        self.block_keys: list[tuple] = []
+        #: content keys of its full blocks so far (tokens only grow, so they stay valid;
+        #: digests that mean the same on every worker, see cluster/block_manager.py)
+        self.block_keys: list[bytes] = []
         #: prompt tokens its first placement found in the prefix cache
         self.num_cached_tokens: int | None = None
         self.row: int | None = None
@@ -97,15 +98,15 @@ class Sequence:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
-    def full_block_keys(self, blocks: Any, num_blocks: int) -> list[tuple]:
-        """Content keys of its first ``num_blocks`` full blocks (``blocks`` is a
+    def full_block_keys(self, blocks: Any, num_blocks: int, start: int = 0) -> list[bytes]:
+        """Content keys of its full blocks ``start .. num_blocks - 1`` (``blocks`` is a
         ``BlockManager``); computed once each, as the tokens arrive."""
         keys = self.block_keys
         if len(keys) < num_blocks:
             bs = blocks.block_size
             parent = keys[-1] if keys else None
             keys.extend(blocks.chain(parent, self.tokens_between(len(keys) * bs, num_blocks * bs)))
-        return keys[:num_blocks]
+        return keys[start:num_blocks]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -8,12 +8,16 @@ equal keys; different ones never share)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.block_manager import BlockManager
+from cluster.block_manager import KEY_BYTES, ROOT, BlockManager, model_salt
 
 BS = 4
 NB = 24
@@ -29,7 +33,7 @@ class Seq:
         self.blocks: list[int] = []
         self.computed = 0
         self.registered = 0
-        self.keys: list[tuple] = []
+        self.keys: list[bytes] = []
 
 
 class BlockMachine(RuleBasedStateMachine):
@@ -39,13 +43,19 @@ class BlockMachine(RuleBasedStateMachine):
         self.live: list[Seq] = []
         #: what the reference knows each block holds: tokens written at computed positions
         self.content: dict[int, list] = {b: [None] * BS for b in range(NB)}
+        #: every key made so far -> the prefix it stands for (the whole token run up to
+        #: and including its block); no two prefixes may share a key
+        self.prefix_of: dict[bytes, tuple] = {}
 
     # -- the scheduler's moves -------------------------------------------------------
 
-    def keys(self, seq: Seq, n_blocks: int) -> list[tuple]:
+    def keys(self, seq: Seq, n_blocks: int) -> list[bytes]:
         if len(seq.keys) < n_blocks:
             parent = seq.keys[-1] if seq.keys else None
             seq.keys.extend(self.bm.chain(parent, seq.tokens[len(seq.keys) * BS : n_blocks * BS]))
+            for i, key in enumerate(seq.keys):
+                prefix = tuple(seq.tokens[: (i + 1) * BS])
+                assert self.prefix_of.setdefault(key, prefix) == prefix, "two prefixes share a key"
         return seq.keys[:n_blocks]
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=tails, first_chunk=st.integers(1, 12))
@@ -131,8 +141,8 @@ class BlockMachine(RuleBasedStateMachine):
             return
         for key, block in self.bm.cached.items():
             assert self.bm.block_key[block] == key
-            # the key's last tokens are the block's content
-            assert tuple(self.content[block]) == key[1], (key, self.content[block])
+            # the key's last block of tokens is the block's content
+            assert tuple(self.content[block]) == self.prefix_of[key][-BS:], (key.hex(), self.content[block])
 
 
 TestBlockMachine = BlockMachine.TestCase
@@ -167,3 +177,66 @@ def test_freed_cached_blocks_are_reused_least_recent_first_and_lose_their_key():
         bm.allocate(1)
     with pytest.raises(ValueError, match="released more often"):
         bm.release([blocks[1], blocks[1], blocks[1]])
+
+
+# -- keys: digests that cost the same at any depth and mean the same everywhere ---------
+
+
+def test_keys_are_digests_of_the_documented_size_equal_for_equal_prefixes_and_salts():
+    keys = BlockManager(8, 2, salt="model-a").chain(ROOT, [1, 2, 3, 4, 5, 6])
+    assert len(keys) == 3 and all(type(k) is bytes and len(k) == KEY_BYTES for k in keys)
+    assert len(set(keys)) == 3
+    # another manager, same salt and block size: the same keys (nothing per instance)
+    assert BlockManager(99, 2, salt="model-a").chain(ROOT, [1, 2, 3, 4, 5, 6]) == keys
+    assert BlockManager(8, 2, salt=b"model-a").chain(ROOT, [1, 2, 3, 4, 5, 6]) == keys  # str is its utf-8
+    # a different salt, or none, changes every key
+    for other in ("model-b", None, model_salt("model-a", "float32")):
+        assert not set(BlockManager(8, 2, salt=other).chain(ROOT, [1, 2, 3, 4, 5, 6])) & set(keys)
+    # the model's dtype is part of the salt
+    assert model_salt("m", "float32") != model_salt("m", "bfloat16")
+    # a partial last block has no key
+    assert BlockManager(8, 2, salt="model-a").chain(ROOT, [1, 2, 3, 4, 5]) == keys[:2]
+    # the block size is folded in: [1, 2, 3, 4] as one block is not two blocks of 2
+    assert BlockManager(8, 4, salt="model-a").chain(ROOT, [1, 2, 3, 4])[0] not in keys
+    with pytest.raises(TypeError, match="salt"):
+        BlockManager(8, 2, salt=("model-a",))
+
+
+def test_a_16k_token_shared_prefix_is_found_block_for_block():
+    """The reported case: at 16 tokens a block, two equal 16,384-token prompts. Nested
+    tuple keys raised RecursionError comparing the second chain's keys."""
+    bm = BlockManager(1100, 16, salt="m")
+    tokens = [(i * 7919) % 50_000 for i in range(16_384)]
+    a, b = bm.chain(ROOT, tokens), bm.chain(ROOT, list(tokens))
+    assert len(a) == 1024 and a == b
+    blocks = bm.allocate(1024)
+    bm.register(blocks, a)
+    assert bm.cached_prefix(b) == 1024
+    assert bm.take_cached(b) == blocks
+    assert all(bm.cached[k] == blk for k, blk in zip(b, blocks))
+    # built in pieces (as a sequence's tokens arrive), the chain is the same
+    assert bm.chain(ROOT, tokens[:160]) + bm.chain(a[9], tokens[160:]) == a
+    # one token changed in block 3: blocks 0-2 still hit, none after
+    changed = list(tokens)
+    changed[3 * 16 + 5] += 1
+    assert bm.cached_prefix(bm.chain(ROOT, changed)) == 3
+
+
+KEYS_SCRIPT = """
+from cluster.block_manager import BlockManager, model_salt
+bm = BlockManager(4, 16, salt=model_salt("some/model", "bfloat16"))
+print(",".join(k.hex() for k in bm.chain(None, list(range(100, 164)))))
+"""
+
+
+def test_keys_are_the_same_in_another_process():
+    """No per-process randomness (``hash()`` is seeded per process; these are not)."""
+    root = Path(__file__).resolve().parent.parent
+    want = BlockManager(4, 16, salt=model_salt("some/model", "bfloat16")).chain(ROOT, list(range(100, 164)))
+    outs = set()
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", KEYS_SCRIPT], cwd=root, capture_output=True, text=True,
+                              timeout=120, env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stderr
+        outs.add(done.stdout.strip())
+    assert outs == {",".join(k.hex() for k in want)}

@@ -15,7 +15,14 @@ Run: ``python tests/bench/kv_cache.py [--quick]``.
   once, prefix caching on against off in the same run: TTFT p50 / p90 and wall time.
   With caching the system prompt's full blocks are prefilled once (by the first
   request) and taken from the cache by the other 63.
-Targets: capacity >= 4x the dense rows; TTFT p50 with caching >= 3x better.
+- prefix lookup: the driver's full-hit lookup of one cached prompt (``chain`` its
+  blocks' keys, ``cached_prefix``, ``take_cached``, then ``release``) at 1k, 4k, 16k and
+  64k tokens (16-token blocks), best of several rounds, in time per block. Content keys
+  are digests (O(block_size) each at any depth), so the time per block should not grow
+  with the prompt; keys that nested every earlier key grew O(depth) per block and
+  overflowed the recursion limit near 16k tokens.
+Targets: capacity >= 4x the dense rows; TTFT p50 with caching >= 3x better; lookup time
+per block at 64k tokens <= 1.5x that at 1k.
 """
 
 from __future__ import annotations
@@ -35,10 +42,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _results import Row, emit  # noqa: E402
 
 from cluster import LLM  # noqa: E402
+from cluster.block_manager import ROOT, BlockManager, model_salt  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
 
 POOL_TOKENS = 32768
 MAX_MODEL_LEN = 2048
+LOOKUP_SIZES = (1024, 4096, 16384, 65536)
+LOOKUP_BLOCK = 16
 
 
 class PeakRunning:
@@ -111,10 +121,38 @@ def prefix_reuse(quick: bool) -> dict[str, dict[str, float]]:
     return results
 
 
+def lookup(quick: bool) -> dict[int, float]:
+    """Seconds per block of a full-hit prefix lookup, per prompt length in tokens."""
+    rng = random.Random(2)
+    rounds = 3 if quick else 10
+    per_block = {}
+    for size in LOOKUP_SIZES:
+        n = size // LOOKUP_BLOCK
+        tokens = [rng.randrange(100, 50_000) for _ in range(size)]
+        bm = BlockManager(n, LOOKUP_BLOCK, salt=model_salt("bench", "float32"))
+        blocks = bm.allocate(n)
+        bm.register(blocks, bm.chain(ROOT, tokens))
+        bm.release(blocks)
+        best = float("inf")
+        for _ in range(rounds):
+            # at least ~64k tokens' worth of lookups per round, so small sizes time well
+            reps = max(1, 65536 // size)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                keys = bm.chain(ROOT, tokens)
+                hit = bm.cached_prefix(keys)
+                taken = bm.take_cached(keys[:hit])
+                bm.release(taken)
+            best = min(best, (time.perf_counter() - t0) / reps)
+            assert hit == n and taken == blocks, "a full hit expected"
+        per_block[size] = best / n
+    return per_block
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests")
-    ap.add_argument("--only", choices=("capacity", "prefix"), default=None)
+    ap.add_argument("--only", choices=("capacity", "prefix", "lookup"), default=None)
     args = ap.parse_args()
     rows: list[Row] = []
     if args.only in (None, "capacity"):
@@ -135,7 +173,21 @@ def main() -> None:
                         ">= 3x", ratio >= 3))
         rows.append(Row("shared 400-token system prompt x64: wall, caching on vs off",
                         f"{on['wall']:.2f} s", f"{off['wall']:.2f} s", f"{off['wall'] / on['wall']:.1f}x"))
-    emit("kv_cache", rows, notes=["peer column: the dense per-row cache's rows (capacity) / prefix caching off (TTFT)"])
+    if args.only in (None, "lookup"):
+        per_block = lookup(args.quick)
+        for size, t in per_block.items():
+            print(f"prefix lookup, full hit: {size:>6} tokens ({size // LOOKUP_BLOCK:>5} blocks): "
+                  f"{t * 1e6:6.2f} us per block, {t * size / LOOKUP_BLOCK * 1e3:8.3f} ms in all")
+        small, large = per_block[LOOKUP_SIZES[0]], per_block[LOOKUP_SIZES[-1]]
+        ratio = large / small
+        for size, t in per_block.items():
+            rows.append(Row(f"full-hit prefix lookup (chain, cached_prefix, take_cached, release), "
+                            f"{size // 1024}k tokens: per block", f"{t * 1e6:.2f} us"))
+        rows.append(Row(f"full-hit prefix lookup per block, {LOOKUP_SIZES[-1] // 1024}k vs "
+                        f"{LOOKUP_SIZES[0] // 1024}k tokens", f"{large * 1e6:.2f} us", f"{small * 1e6:.2f} us",
+                        f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5))
+    emit("kv_cache", rows, notes=["peer column: the dense per-row cache's rows (capacity) / prefix caching off (TTFT) / "
+                                "the 1k-token lookup (prefix lookup)"])
 
 
 if __name__ == "__main__":
