@@ -101,7 +101,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     reasoning_start: str | None = None
     #: text of the token that closes a reasoning section (thinking_token_budget)
     reasoning_end: str | None = None
-    # -- the CPU backend (worker/cpu/) --------------------------------------------
+    # -- attention and the CPU backend (worker/cpu/) ---------------------------------
+    #: paged attention through torch's FlexAttention, reading the KV pool in place
+    #: (compiled with Triton on CUDA). None: on for GPU workers; CPU workers use their
+    #: own kernel (True there runs FlexAttention eagerly: for tests). False: gather each
+    #: row's blocks, then SDPA (the reference path)
+    flex_attention: bool | None = None
     #: CPU: run linear layers with prepacked weights (faster; off: plain F.linear)
     cpu_packed_linear: bool = True
     #: CPU, float32: linear layers over weights packed in column panels, our own kernel

@@ -11,12 +11,47 @@ devices, other dtypes).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from worker.runner.attention_plan import as_int, concat_ranges
+
+if TYPE_CHECKING:
+    from worker.runner.attention_plan import AttentionPlan
 
 #: Prefill chunks are cut into kernel rows of this many queries.
 PREFILL_QUERIES = 32
+
+
+@dataclass
+class KernelRows:
+    """A step's rows as rows of the paged kernel, attended in one call that reads the
+    packed queries and writes the packed outputs in place: short-query rows as they
+    are, longer ones (prefill chunks) cut into runs of at most ``kernel.prefill_queries``
+    queries, a run attending its row's keys up to its own last query (so the causal
+    future of a chunk is never read)."""
+
+    starts: torch.Tensor  # [R] int32 packed index of each kernel row's first query
+    block_table: torch.Tensor  # [R, max blocks] int32: its sequence row's table
+    kv_lens: torch.Tensor  # [R] int32 keys each kernel row attends to (its own last query's)
+    query_lens: torch.Tensor  # [R] int32
+
+    @classmethod
+    def build(cls, rows: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, kv_lens: np.ndarray,
+              block_table: np.ndarray, block_size: int, queries: int, device: torch.device) -> "KernelRows":
+        """Sequence row ``rows[i]`` runs ``num_tokens[i]`` packed tokens from
+        ``starts[i]`` on and has ``kv_lens[i]`` keys after them."""
+        runs = -(-num_tokens // queries)
+        of = np.repeat(np.arange(len(rows)), runs)
+        offset = concat_ranges(np.zeros(len(rows), dtype=np.int64), runs) * queries
+        q_lens = np.minimum(queries, num_tokens[of] - offset)
+        run_kv = kv_lens[of] - num_tokens[of] + offset + q_lens
+        table = block_table[rows[of], : -(-int(run_kv.max()) // block_size)]
+        return cls(starts=as_int(starts[of] + offset, device), block_table=as_int(table, device),
+                   kv_lens=as_int(run_kv, device), query_lens=as_int(q_lens, device))
 
 
 class CpuPagedKernel:
@@ -25,8 +60,40 @@ class CpuPagedKernel:
     chunks take the torch path)."""
 
     def __init__(self, module: Any, prefill_queries: int = PREFILL_QUERIES) -> None:
+        if prefill_queries < 1:
+            raise ValueError(f"prefill_queries must be >= 1, got {prefill_queries}")
         self.module = module
         self.prefill_queries = prefill_queries
+
+    def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
+                num_tokens: np.ndarray) -> KernelRows | None:
+        """A step with prefill chunks: every row as kernel rows (one packed call per
+        layer); a step of short rows only: None (the plan's batched rows serve)."""
+        if not plan.prefill:
+            return None
+        return KernelRows.build(rows, plan.starts, num_tokens, num_computed + num_tokens, block_table,
+                                plan.cache.block_size, self.prefill_queries, plan.token_positions.device)
+
+    def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
+               softcap: float | None) -> torch.Tensor | None:
+        k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
+        if not self.applies(q_all, k_pool):
+            return None
+        rows: KernelRows | None = plan.kernel_state
+        if rows is not None:  # prefill chunks (and decodes): one call, in place
+            return self.run_packed(q_all, k_pool, v_pool, rows.block_table, rows.kv_lens, rows.query_lens, rows.starts,
+                                   scale, softcap, window)
+        batched = (plan.batched_block_table, plan.batched_kv_lens, plan.batched_query_lens)
+        if plan.batched_query_len == 1:  # every row a single decode: already the kernel's layout
+            return self.run(q_all, k_pool, v_pool, *batched, scale, softcap, window)
+        # Short query runs (speculative drafts): padded to the longest, then packed back.
+        b, q_len = plan.num_batched, plan.batched_query_len
+        heads, dim = q_all.shape[1], q_all.shape[2]
+        o = self.run(q_all[plan.batched_index].view(b * q_len, heads, dim), k_pool, v_pool, *batched, scale, softcap,
+                     window)
+        out = q_all.new_empty(q_all.shape)
+        out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
+        return out
 
     @staticmethod
     def applies(q: torch.Tensor, k_pool: torch.Tensor) -> bool:

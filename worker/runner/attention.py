@@ -132,32 +132,23 @@ def attend_cached(
 ) -> torch.Tensor:
     """Attention for the step's packed queries ``q_all`` ``[T, heads, dim]`` over layer
     ``layer``'s pool, the step's own keys and values already written; ``[T, heads,
-    dim]``. Short-query rows together (the plan's kernel, else gathering), prefill
-    chunks row by row."""
+    dim]``: the plan's kernel where it applies; else the torch path (short-query rows
+    together by gathering their blocks, prefill chunks row by row)."""
     k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
     total, heads, dim = q_all.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    kernel = plan.kernel
-    on_kernel = kernel is not None and kernel.applies(q_all, k_pool)
-    batched = (plan.batched_block_table, plan.batched_kv_lens, plan.batched_query_lens)
-    if plan.num_batched == total and plan.batched_query_len == 1 and on_kernel:
-        # Every row a single decode: the packed queries are already the kernel's layout.
-        return kernel.run(q_all, k_pool, v_pool, *batched, scale, softcap, window)
-    rows = plan.kernel_rows
-    if rows is not None and on_kernel:  # prefill chunks (and decodes): one call, in place
-        return kernel.run_packed(q_all, k_pool, v_pool, rows.block_table, rows.kv_lens, rows.query_lens, rows.starts,
-                                 scale, softcap, window)
+    if plan.kernel is not None:
+        out = plan.kernel.attend(q_all, plan, layer, scale, window, softcap)
+        if out is not None:
+            return out
     out = q_all.new_empty(total, heads, dim)
 
     if plan.num_batched:
         b, q_len = plan.num_batched, plan.batched_query_len
         q = q_all[plan.batched_index].view(b * q_len, heads, dim)
-        if on_kernel:
-            o = kernel.run(q, k_pool, v_pool, *batched, scale, softcap, window)
-        else:
-            o = _batched_by_gathering(q, k_pool, v_pool, plan, scale, softcap, window)
+        o = _batched_by_gathering(q, k_pool, v_pool, plan, scale, softcap, window)
         out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
 
     for chunk in plan.prefill:

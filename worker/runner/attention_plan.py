@@ -9,7 +9,7 @@ the device-agnostic torch path), so nothing about attention lives in a module gl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,22 +22,19 @@ BATCHED_QUERY_MAX = 16
 
 
 class PagedKernel(Protocol):
-    """A compiled attention kernel that reads the pool through block tables in place
-    (``worker.cpu.paged_attention.CpuPagedKernel``)."""
+    """An attention path that reads the pool through the rows' block tables in place:
+    the CPU kernel (``worker.cpu.paged_attention.CpuPagedKernel``) or FlexAttention
+    (``worker.runner.flex_attention.FlexPagedAttention``)."""
 
-    #: prefill chunks are cut into kernel rows of this many queries; 0: chunks take the
-    #: torch path
-    prefill_queries: int
+    def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
+                num_tokens: np.ndarray) -> Any:
+        """Per-step state every layer's call shares (``plan.kernel_state``), from the
+        arguments of ``AttentionPlan.build``."""
 
-    def applies(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
-
-    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-            kv_lens: torch.Tensor, query_lens: torch.Tensor, scale: float, softcap: float | None,
-            window: int | None) -> torch.Tensor: ...
-
-    def run_packed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                   kv_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, scale: float,
-                   softcap: float | None, window: int | None) -> torch.Tensor: ...
+    def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
+               softcap: float | None) -> torch.Tensor | None:
+        """The step's attention output ``[T, heads, dim]``; None where this path does not
+        apply (then the torch path serves)."""
 
 
 @dataclass
@@ -49,40 +46,12 @@ class PrefillChunk:
     block_ids: torch.Tensor  # [blocks] the row's blocks covering kv_len
 
 
-def _long(a: np.ndarray, device: torch.device) -> torch.Tensor:
+def as_long(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
 
-def _int(a: np.ndarray, device: torch.device) -> torch.Tensor:
+def as_int(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-
-
-@dataclass
-class KernelRows:
-    """A step's rows as rows of the paged kernel, attended in one call that reads the
-    packed queries and writes the packed outputs in place: short-query rows as they
-    are, longer ones (prefill chunks) cut into runs of at most ``kernel.prefill_queries``
-    queries, a run attending its row's keys up to its own last query (so the causal
-    future of a chunk is never read)."""
-
-    starts: torch.Tensor  # [R] int32 packed index of each kernel row's first query
-    block_table: torch.Tensor  # [R, max blocks] int32: its sequence row's table
-    kv_lens: torch.Tensor  # [R] int32 keys each kernel row attends to (its own last query's)
-    query_lens: torch.Tensor  # [R] int32
-
-    @classmethod
-    def build(cls, rows: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, kv_lens: np.ndarray,
-              block_table: np.ndarray, block_size: int, queries: int, device: torch.device) -> "KernelRows":
-        """Sequence row ``rows[i]`` runs ``num_tokens[i]`` packed tokens from
-        ``starts[i]`` on and has ``kv_lens[i]`` keys after them."""
-        runs = -(-num_tokens // queries)
-        of = np.repeat(np.arange(len(rows)), runs)
-        offset = concat_ranges(np.zeros(len(rows), dtype=np.int64), runs) * queries
-        q_lens = np.minimum(queries, num_tokens[of] - offset)
-        run_kv = kv_lens[of] - num_tokens[of] + offset + q_lens
-        table = block_table[rows[of], : -(-int(run_kv.max()) // block_size)]
-        return cls(starts=_int(starts[of] + offset, device), block_table=_int(table, device),
-                   kv_lens=_int(run_kv, device), query_lens=_int(q_lens, device))
 
 
 @dataclass
@@ -111,11 +80,10 @@ class AttentionPlan:
     host_batched_query_lens: np.ndarray
     batched_query_len: int  # Q: the longest query
     prefill: list[PrefillChunk]
-    # The paged kernel of the runner's device (None: the torch path everywhere).
+    # The paged kernel of the runner's device (None: the torch path everywhere) and what
+    # it prepared for this step.
     kernel: PagedKernel | None = None
-    # Where the kernel is on and the step has prefill chunks: every row of the step as
-    # kernel rows (else None; the batched rows and the chunks above serve).
-    kernel_rows: KernelRows | None = None
+    kernel_state: Any = None
 
     @classmethod
     def build(
@@ -154,34 +122,32 @@ class AttentionPlan:
         prefill = []
         for r, s, n, c in zip(rows[~short], starts[~short], num_tokens[~short], num_computed[~short]):
             kv_len = int(c + n)
-            ids = _long(block_table[r, : -(-kv_len // bs)], device)
+            ids = as_long(block_table[r, : -(-kv_len // bs)], device)
             prefill.append(PrefillChunk(int(r), int(s), int(n), kv_len, ids))
-        kernel_rows = None
-        if prefill and kernel is not None and kernel.prefill_queries > 0:
-            kernel_rows = KernelRows.build(rows, starts, num_tokens, num_computed + num_tokens, block_table, bs,
-                                           kernel.prefill_queries, device)
-        as_long = lambda a: _long(a, device)
-        as_int = lambda a: _int(a, device)
-        return cls(
+        long = lambda a: as_long(a, device)
+        int32 = lambda a: as_int(a, device)
+        plan = cls(
             cache=cache,
             starts=starts,
             host_token_rows=token_rows,
             host_token_positions=token_positions,
-            token_positions=as_long(token_positions),
-            slot_rows=as_long(slot_rows),
+            token_positions=long(token_positions),
+            slot_rows=long(slot_rows),
             num_batched=nb,
-            batched_index=as_long(index),
+            batched_index=long(index),
             batched_valid=torch.from_numpy(valid.reshape(-1)).to(device),
-            batched_block_table=as_int(b_table),
-            batched_kv_lens=as_int(b_kv),
-            batched_query_lens=as_int(b_n),
+            batched_block_table=int32(b_table),
+            batched_kv_lens=int32(b_kv),
+            batched_query_lens=int32(b_n),
             host_batched_kv_lens=b_kv,
             host_batched_query_lens=b_n,
             batched_query_len=q,
             prefill=prefill,
             kernel=kernel,
-            kernel_rows=kernel_rows,
         )
+        if kernel is not None:
+            plan.kernel_state = kernel.prepare(plan, block_table, rows, num_computed, num_tokens)
+        return plan
 
     def attend(self, q_all: torch.Tensor, layer: int, scaling: float | None, window: int | None,
                softcap: float | None) -> torch.Tensor:

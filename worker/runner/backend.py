@@ -43,9 +43,20 @@ class Backend:
 
 def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig) -> Backend:
     """Prepares ``model`` for its device (this may repack its weights) and returns how
-    its steps run."""
+    its steps run: on CPU the CPU backend; elsewhere the transformers forward with
+    attention through FlexAttention (``flex_attention``, on by default off the CPU) or
+    the torch path."""
+    backend = Backend()
     if device.type == "cpu":
         from worker.cpu.backend import prepare_cpu_backend
 
-        return prepare_cpu_backend(model, config)
-    return Backend()
+        backend = prepare_cpu_backend(model, config)
+    flex = config.flex_attention if config.flex_attention is not None else device.type != "cpu"
+    if flex:
+        from worker.runner.flex_attention import FlexPagedAttention
+
+        hf = model.config
+        heads = hf.num_attention_heads
+        backend.attention_kernel = FlexPagedAttention(heads, getattr(hf, "num_key_value_heads", None) or heads)
+        backend.name += " + flex attention"
+    return backend

@@ -1,0 +1,226 @@
+"""Paged attention through torch's FlexAttention: the pool read in place, on any device.
+
+The KV pool of a layer, ``[num_blocks, kv_heads, block_size, head_dim]``, is viewed
+without a copy as one long key sequence of a single "head", ``[1, 1, num_blocks *
+kv_heads * block_size, head_dim]``: tile ``t = block * kv_heads + head`` holds that
+block's keys of that KV head, ``block_size`` rows. Each attention call runs over rows of
+the step as a batch (queries ``[rows, heads, longest query, head_dim]``, gathered from
+the step's packed queries), with
+
+- a block mask that lists, for every row, query head and query tile, exactly the pool
+  tiles it needs (its own blocks up to its last query's position, of the query head's
+  KV head), so the kernel reads nothing else: decode rows visit their own blocks only,
+  a prefill chunk's early query tiles skip the blocks after them; blocks that every
+  query of a tile sees whole are "full" (no mask evaluated);
+- a mask function that says, for one (row, query head, query, key), whether the key is
+  visible: it belongs to the row (``tables[row, logical] == block``, with ``logical`` the
+  block's position in its row's table, ``block_logical[block]``), to the query head's KV
+  head, lies at or before the query's position (causal) and inside the sliding window.
+  FlexAttention requires the mask function to be exact on its own (its eager path and
+  the partial tiles use it; the block mask only skips work).
+
+A physical block has one logical position in every row that holds it: a block is shared
+only through the prefix cache, whose keys chain over every earlier block, so a cached
+block is always at the same position. ``prepare`` checks this for every step and hands
+the step to the torch path if it ever fails to hold.
+
+Rows are split into two calls per layer: short queries (decodes, speculative drafts; the
+batched rows of the plan) and prefill chunks, so that a decode batch is not padded to a
+chunk's length. Queries past a row's length are padding: their query tiles list no
+blocks, and their outputs are dropped.
+
+On CUDA the call is compiled (Triton, ``torch.compile(flex_attention)`` with dynamic
+shapes); elsewhere it runs eagerly (exact, but it materializes every score: for tests on
+small pools) unless ``compiled=True``. The torch path (``worker/runner/attention.py``: gather + SDPA) is the
+reference it is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from worker.runner.attention_plan import AttentionPlan
+
+#: Queries per query tile of a prefill chunk's block mask.
+PREFILL_QUERY_TILE = 64
+#: Queries per query tile of the short rows (a decode or a few drafts: one tile).
+SHORT_QUERY_TILE = 16
+
+
+@dataclass
+class FlexCall:
+    """One FlexAttention call of a step: some of its rows as a batch."""
+
+    index: torch.Tensor  # [B, L] packed index of each query (padding points at 0)
+    valid: torch.Tensor  # [B * L] bool, real queries
+    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+
+
+@dataclass
+class FlexStep:
+    calls: list[FlexCall]
+
+
+class FlexPagedAttention:
+    """The attention plan's ``kernel`` on devices without a compiled paged kernel of their
+    own: attention for every row of a step through FlexAttention."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, compiled: bool | None = None,
+                 dynamic: bool | None = None) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.compiled = compiled
+        self.dynamic = dynamic
+        self._eager = flex_attention
+        self._compiled_fn: Any = None
+        #: logical position of each pool block in the rows that hold it (valid for the
+        #: blocks of the current step's rows), on the pool's device
+        self._block_logical: torch.Tensor | None = None
+
+    def _flex(self, device: torch.device) -> Any:
+        compiled = self.compiled if self.compiled is not None else device.type == "cuda"
+        if not compiled:
+            return self._eager
+        if self._compiled_fn is None:
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            # Dynamic shapes on CUDA (a step's rows, query length and table width vary:
+            # one compile serves them); static elsewhere (inductor's CPU template for
+            # flex attention fails to build with symbolic sizes in torch 2.13).
+            dynamic = self.dynamic if self.dynamic is not None else device.type == "cuda"
+            self._compiled_fn = torch.compile(self._eager, dynamic=dynamic)
+        return self._compiled_fn
+
+    # -- per step -----------------------------------------------------------------
+
+    def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
+                num_tokens: np.ndarray) -> FlexStep | None:
+        """The step's calls and block masks (shared by every layer); None when a block
+        sits at two positions (then the torch path serves the step)."""
+        cache = plan.cache
+        device = plan.token_positions.device
+        bs = cache.block_size
+        kv_len = num_computed + num_tokens
+        nblocks = -(-kv_len // bs)
+        width = int(nblocks.max())
+        tables = block_table[rows, :width].astype(np.int64)
+        held = np.arange(width)[None, :] < nblocks[:, None]
+        blocks, logical = tables[held], np.broadcast_to(np.arange(width), tables.shape)[held]
+        if self._block_logical is None or self._block_logical.shape[0] != cache.num_blocks:
+            self._block_logical = torch.full((cache.num_blocks,), -1, dtype=torch.int32, device=device)
+        seen = np.full(cache.num_blocks, -1, dtype=np.int64)
+        seen[blocks] = logical
+        if not np.array_equal(seen[blocks], logical):
+            return None  # a block at two positions
+        self._block_logical[torch.from_numpy(blocks).to(device)] = torch.from_numpy(logical.astype(np.int32)).to(device)
+        short = num_tokens <= SHORT_QUERY_TILE
+        calls = []
+        for which, tile in ((short, SHORT_QUERY_TILE), (~short, PREFILL_QUERY_TILE)):
+            if which.any():
+                calls.append(self._call(plan, which, tile, tables, num_computed, num_tokens, device))
+        return FlexStep(calls)
+
+    def _call(self, plan: AttentionPlan, which: np.ndarray, q_tile: int, tables: np.ndarray,
+              num_computed: np.ndarray, num_tokens: np.ndarray, device: torch.device) -> FlexCall:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        cache = plan.cache
+        bs, kv_heads, group = cache.block_size, self.num_kv_heads, self.group
+        starts = plan.starts[which]
+        q_start = num_computed[which]  # position of each row's first query
+        q_len = num_tokens[which]
+        table = tables[which]
+        b, longest = len(q_len), int(q_len.max())
+        q_tile = min(q_tile, _round_up(longest, 16))
+        tiles = -(-longest // q_tile)
+        # Per (row, query tile): the row's blocks up to its last query there (needed), of
+        # which the first ``full`` every query of the tile sees whole.
+        first_q = np.arange(tiles)[None, :] * q_tile  # [1, tiles]
+        last_q = np.minimum(first_q + q_tile, q_len[:, None]) - 1
+        live = first_q < q_len[:, None]
+        needed = np.where(live, (q_start[:, None] + last_q) // bs + 1, 0)
+        full = np.where(live, (q_start[:, None] + first_q + 1) // bs, 0)
+        width = table.shape[1]
+        pool_tiles = cache.num_blocks * kv_heads
+        # Tile ids per query head: block * kv_heads + the head's KV head.
+        head_kv = (np.arange(self.num_heads) // group)[None, :, None, None]
+        partial_ids = np.take_along_axis(table, np.minimum(full[:, :, None] + np.arange(width)[None, None, :], width - 1)
+                                         .reshape(b, -1), axis=1).reshape(b, 1, tiles, width)
+        partial = partial_ids * kv_heads + head_kv
+        full_ids = table[:, None, None, :] * kv_heads + head_kv
+        kv_num = np.broadcast_to((needed - full)[:, None, :], (b, self.num_heads, tiles))
+        full_num = np.broadcast_to(full[:, None, :], (b, self.num_heads, tiles))
+        full_ids = np.broadcast_to(full_ids, (b, self.num_heads, tiles, width))
+        if device.type != "cuda":
+            # CPU kernels (eager and compiled) read the index lists as wide as the key
+            # sequence's tiles: pad with tiles never listed.
+            pad = pool_tiles - width
+            partial = np.concatenate([partial, np.zeros((b, self.num_heads, tiles, pad), np.int64)], axis=-1)
+            full_ids = np.concatenate([full_ids, np.zeros((b, self.num_heads, tiles, pad), np.int64)], axis=-1)
+        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+        mask_mod = self._mask_mod(as_int(table), as_int(q_start), as_int(q_len), bs)
+        block_mask = BlockMask.from_kv_blocks(
+            as_int(kv_num), as_int(partial), as_int(full_num), as_int(full_ids), BLOCK_SIZE=(q_tile, bs),
+            mask_mod=mask_mod, seq_lengths=(longest, pool_tiles * bs), compute_q_blocks=False,
+        )
+        qi = np.arange(longest)
+        valid = qi[None, :] < q_len[:, None]
+        index = np.where(valid, starts[:, None] + qi[None, :], 0)
+        return FlexCall(index=torch.from_numpy(index).to(device), valid=torch.from_numpy(valid.reshape(-1)).to(device),
+                        block_mask=block_mask)
+
+    def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, bs: int):
+        block_logical = self._block_logical
+        kv_heads, group, width = self.num_kv_heads, self.group, table.shape[1]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            tile = kv_idx // bs
+            block = tile // kv_heads
+            logical = block_logical[block]
+            member = (logical >= 0) & (table[b, logical.clamp(0, width - 1)] == block)
+            pos = logical * bs + kv_idx % bs
+            return member & (tile % kv_heads == h // group) & (q_idx < q_len[b]) & (pos <= q_start[b] + q_idx)
+
+        return mask_mod
+
+    # -- per layer ----------------------------------------------------------------
+
+    def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
+               softcap: float | None) -> torch.Tensor | None:
+        step: FlexStep | None = plan.kernel_state
+        if step is None or window:
+            return None  # sliding windows: the torch path (a window-aware mask is future work)
+        k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
+        dim = q_all.shape[-1]
+        k = k_pool.view(1, 1, -1, dim)
+        v = v_pool.view(1, 1, -1, dim)
+        flex = self._flex(q_all.device)
+        score_mod = _softcap(softcap) if softcap else None
+        out = q_all.new_empty(q_all.shape)
+        for call in step.calls:
+            b, length = call.index.shape
+            q = q_all[call.index].permute(0, 2, 1, 3).to(k.dtype)  # [B, heads, L, dim]
+            o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True)
+            o = o.permute(0, 2, 1, 3).reshape(b * length, *q_all.shape[1:])
+            out[call.index.reshape(-1)[call.valid]] = o[call.valid].to(out.dtype)
+        return out
+
+
+def _softcap(cap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
