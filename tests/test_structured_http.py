@@ -3,11 +3,15 @@ constraints make them valid): ``response_format`` (json_schema, json_object, tex
 vLLM's ``structured_outputs`` extra and the legacy ``guided_*`` fields, on chat and
 completions, whole and streamed, through the real ``openai`` client (``parse`` too)
 and ``langchain-openai``'s ``with_structured_output``; outputs checked with
-``jsonschema``, ``re.fullmatch`` and the choice list. Conflicting constraints and
-invalid schemas are a 400 whose ``param`` is the field the client used."""
+``jsonschema``, ``re.fullmatch`` and the choice list, and where a random model may not
+finish within ``max_tokens``, against the constraint's language written as a regular
+expression (the ``regex`` package, which also tells whether a cut text is the start of
+a sentence of it). Conflicting constraints and invalid schemas are a 400 whose
+``param`` is the field the client used."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -15,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import regex
 from pydantic import BaseModel, ConfigDict, Field
 
 from helpers import TEMPLATE, post_json, served
@@ -25,6 +30,48 @@ PERSON = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"enum": ["a", "b", "ü"]}, "maxItems": 3},
 }, "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "describe a person"}]
+
+# The languages as regular expressions, written from JSON's grammar and the schema (not
+# from the grammar engine): JSON whitespace, strings, numbers, and PERSON's members in
+# any order, each at most once, name and age always.
+WS = r"[ \t\n\r]*"
+CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+
+
+def _string(max_len: int | None = None) -> str:
+    return '"' + CHAR + ("*" if max_len is None else "{0,%d}" % max_len) + '"'
+
+
+def _person(ws: str) -> regex.Pattern:
+    """PERSON's objects with ``ws`` wherever JSON allows whitespace."""
+    tag = '"(?:a|b|ü)"'
+    members = {
+        "name": _string(8),
+        "age": r"(?:[0-9]|[1-9][0-9]|1[01][0-9]|120)",
+        "tags": rf"\[{ws}(?:{tag}(?:{ws},{ws}{tag}){{0,2}})?{ws}\]",
+    }
+    orders = [o for n in (2, 3) for o in itertools.permutations(members, n) if {"name", "age"} <= set(o)]
+    bodies = "|".join(f"{ws},{ws}".join(f'"{k}"{ws}:{ws}{members[k]}' for k in o) for o in orders)
+    return regex.compile(rf"{ws}\{{{ws}(?:{bodies}){ws}\}}{ws}")
+
+
+PERSON_ANY_WHITESPACE = _person(WS)
+PERSON_COMPACT = _person("")
+ANY_OBJECT = regex.compile(
+    rf"(?(DEFINE)(?P<s>{_string()})"
+    rf"(?P<v>(?&o)|(?&a)|(?&s)|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null)"
+    rf"(?P<o>\{{{WS}(?:(?&s){WS}:{WS}(?&v)(?:{WS},{WS}(?&s){WS}:{WS}(?&v))*)?{WS}\}})"
+    rf"(?P<a>\[{WS}(?:(?&v)(?:{WS},{WS}(?&v))*)?{WS}\]))"
+    rf"{WS}(?&o){WS}"
+)
+
+
+def assert_in_language(language: regex.Pattern, choice) -> None:
+    """A finished output is a sentence of ``language``; one cut by ``max_tokens`` is
+    the start of one."""
+    text = choice.message.content
+    assert choice.finish_reason in ("stop", "length"), choice.finish_reason
+    assert language.fullmatch(text, partial=choice.finish_reason == "length"), (choice.finish_reason, text)
 
 
 class Person(BaseModel):
@@ -83,7 +130,9 @@ def test_json_object_and_text(client):
     for seed in (1, 2):
         r = client.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
                                            seed=seed, max_tokens=300)
-        if r.choices[0].finish_reason == "stop":  # any object: it may be long
+        # any object: it may be long, and then the cut text is the start of an object
+        assert_in_language(ANY_OBJECT, r.choices[0])
+        if r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(r.choices[0].message.content), dict)
     plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0)
     text = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0,
@@ -128,12 +177,17 @@ def test_vllm_structured_outputs_and_legacy_guided_fields(client, fields, check)
 
 def test_options_without_a_constraint_shape_the_response_format(client):
     """structured_outputs holding only options applies them to response_format's
-    constraint (here: the server's compact default turned off again)."""
-    r = client.chat.completions.create(model="tiny", messages=ASK, seed=1, max_tokens=200,
+    constraint (here: the server's compact default turned off again, so JSON whitespace
+    may come between the tokens, and a random model does put some there)."""
+    r = client.chat.completions.create(model="tiny", messages=ASK, seed=1, n=3, max_tokens=200,
                                        response_format=json_schema_format(PERSON),
                                        extra_body={"structured_outputs": {"disable_any_whitespace": False}})
-    if r.choices[0].finish_reason == "stop":  # flexible whitespace: a random model may never finish
-        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    for choice in r.choices:  # flexible whitespace: a random model may never finish
+        assert_in_language(PERSON_ANY_WHITESPACE, choice)
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+    # The whitespace is there: under the compact default not even the start would fit.
+    assert any(not PERSON_COMPACT.fullmatch(c.message.content, partial=True) for c in r.choices)
 
 
 # -- langchain-openai ---------------------------------------------------------------
