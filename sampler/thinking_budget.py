@@ -14,9 +14,13 @@ end sequence) starts inside it, with the prompt tokens after the start counted.
 Requests without ``thinking_token_budget`` are not tracked and never touched.
 
 Speculative decoding: the state at draft position ``j`` is the confirmed state advanced
-over ``drafts[:j]``. This gives the seed's ``force_index`` rule: with
-``remaining = budget - count`` and ``k`` drafts, forcing starts at position 0 if
-``remaining <= 0``, at ``remaining`` if ``remaining < k``, else at the bonus position.
+over ``drafts[:j]``. So with ``remaining = budget - count`` and ``k`` drafts, forcing
+starts at position 0 if ``remaining <= 0``, at ``remaining`` if ``remaining < k``, else
+at the bonus position.
+
+The sampler calls ``apply_at_positions`` (a logits row, the batch row it belongs to,
+the drafts before it); ``apply_to_logits`` is vLLM's entry point, which lays the same
+positions out from the drafts and hands them to it.
 """
 
 from __future__ import annotations
@@ -66,11 +70,14 @@ class _ThinkState:
     consumed: int = 0  # confirmed output tokens already read
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
-    spec: list[int] = field(default_factory=list)
 
 
 class ThinkingBudgetStateHolder:
-    """Per-row thinking-budget state that follows the persistent batch."""
+    """Per-row thinking-budget state that follows the persistent batch.
+
+    The constructor takes vLLM's arguments; the state is a dict of rows on the host, so
+    ``max_num_seqs``, ``num_spec_tokens``, ``device`` and ``is_pin_memory`` size or place
+    nothing (forcing edits the logits on their own device)."""
 
     def __init__(
         self,
@@ -87,10 +94,6 @@ class ThinkingBudgetStateHolder:
         self.think_end_token_ids: list[int] = (
             list(reasoning_config.reasoning_end_token_ids) if reasoning_config else []
         )
-        self.max_num_seqs = max_num_seqs
-        self.num_spec_tokens = num_spec_tokens
-        self.in_spec_mode = num_spec_tokens > 0
-        self.device = torch.device(device)
         self._tail_len = max(len(self.think_start_token_ids), len(self.think_end_token_ids), 1)
         self._state: dict[int, _ThinkState] = {}
 
@@ -137,11 +140,10 @@ class ThinkingBudgetStateHolder:
             if row >= len(output_token_ids):
                 continue
             output = output_token_ids[row]
-            spec = list(specs[row]) if row < len(specs) else []
-            if spec and len(output) >= len(spec):
-                output = output[: len(output) - len(spec)]
+            num_drafts = len(specs[row]) if row < len(specs) else 0
+            if num_drafts and len(output) >= num_drafts:
+                output = output[: len(output) - num_drafts]
             state.output = output
-            state.spec = spec
             self._advance(state)
 
     # -- the automaton --------------------------------------------------------------
@@ -233,29 +235,20 @@ class ThinkingBudgetStateHolder:
         predict_bonus_token: bool,
         spec_token_ids: Sequence[Sequence[int]] | None,
     ) -> torch.Tensor:
-        """Seed layout. Without drafts: one logits row per batch row. With drafts and
+        """vLLM's layout. Without drafts: one logits row per batch row. With drafts and
         ``predict_bonus_token`` False: ``len(spec_token_ids[i])`` rows for batch row i
         (its draft positions), row after row. With ``predict_bonus_token`` True: one row
-        per batch row, at the bonus position after all of its drafts."""
+        per batch row, at the bonus position after all of its drafts. The positions are
+        the sampler's own (``Positions``), forced by ``apply_at_positions``."""
+        from sampler.sampler import Positions  # sampler.sampler imports this module
+
         if not self.is_enabled or not self._state:
             return logits
-        specs = list(spec_token_ids or [])
+        specs = spec_token_ids or []
         if not any(specs):
-            specs = []
-        if not specs:
-            n = logits.shape[0]
-            return self.apply_at_positions(logits, range(n))
-        if predict_bonus_token:
-            n = logits.shape[0]
-            prefixes = [specs[i] if i < len(specs) else [] for i in range(n)]
-            return self.apply_at_positions(logits, range(n), prefixes)
-        row_index: list[int] = []
-        prefixes = []
-        for row, drafts in enumerate(specs):
-            for j in range(len(drafts)):
-                row_index.append(row)
-                prefixes.append(drafts[:j])
-        return self.apply_at_positions(logits, row_index, prefixes)
+            return self.apply_at_positions(logits, range(logits.shape[0]))
+        at = Positions.bonus(specs, logits.shape[0]) if predict_bonus_token else Positions.drafts(specs)
+        return self.apply_at_positions(logits, at.row_index.tolist(), at.prefixes)
 
 
 def _ends_with(seq: Sequence[int], suffix: Sequence[int]) -> bool:
@@ -274,17 +267,3 @@ def _find_last(seq: Sequence[int], pattern: Sequence[int]) -> int:
         if list(arr[start : start + n]) == list(pattern):
             return int(start)
     return -1
-
-
-def maybe_create_thinking_budget_state_holder(
-    reasoning_config: ReasoningConfig | None,
-    max_num_seqs: int,
-    num_spec_tokens: int,
-    device: torch.device | str,
-    is_pin_memory: bool,
-) -> ThinkingBudgetStateHolder | None:
-    if reasoning_config is None:
-        return None
-    return ThinkingBudgetStateHolder(
-        reasoning_config, max_num_seqs, num_spec_tokens, device, is_pin_memory
-    )

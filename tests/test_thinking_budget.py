@@ -1,6 +1,9 @@
 """Thinking budget: ReasoningConfig and ThinkingBudgetStateHolder.
 
-Every expectation here is worked out by hand from the rules (seed 002, DESIGN.md):
+The steps run as the worker and the sampler run them (``update_state`` with the
+confirmed outputs, then ``apply_at_positions`` on the step's logits rows); one test
+drives ``apply_to_logits``, vLLM's entry point. Every expectation here is worked out by
+hand from these rules:
 
 * a block opens with the think-start sequence; the tokens after it count (the start
   tokens themselves do not);
@@ -23,6 +26,7 @@ import torch
 
 from sampler.logits_processor import BatchUpdate, MoveDirectionality
 from sampler.params import SamplingParams
+from sampler.sampler import Positions
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 
 V = 32
@@ -78,13 +82,20 @@ def decode(before: torch.Tensor, after: torch.Tensor) -> list:
     return result
 
 
-def forced(holder, outputs, spec=None, predict_bonus_token=False, n_rows=None):
-    """Runs update_state + apply_to_logits; returns the per-logits-row decoding."""
-    holder.update_state(outputs, spec)
-    if n_rows is None:
-        n_rows = len(outputs)
-    logits = torch.randn(n_rows, V, generator=_GEN) * 3
-    out = holder.apply_to_logits(logits.clone(), predict_bonus_token, spec)
+def forced(holder, outputs, drafts=None, bonus=False):
+    """One step as the worker and the sampler run it: ``update_state`` with the
+    confirmed ``outputs``, then ``apply_at_positions`` on the step's logits rows: one per
+    batch row without ``drafts``; with them, one per draft position (row after row), or
+    with ``bonus`` one per batch row after all of its drafts. Returns the per-logits-row
+    decoding."""
+    holder.update_state(outputs)
+    if drafts is None:
+        row_index, prefixes = range(len(outputs)), None
+    else:
+        at = Positions.bonus(drafts, len(outputs)) if bonus else Positions.drafts(drafts)
+        row_index, prefixes = at.row_index.tolist(), at.prefixes
+    logits = torch.randn(len(row_index), V, generator=_GEN) * 3
+    out = holder.apply_at_positions(logits.clone(), row_index, prefixes)
     return decode(logits, out)
 
 
@@ -453,8 +464,7 @@ FILL = [1, 2, 3, 4, 5]
 def test_spec_forced_position(budget, prompt, confirmed, k, position):
     drafts = FILL[:k]
     holder, out = spec_case(budget, prompt, confirmed)
-    # update_state convention: the output list ends with the drafts
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=k)
+    rows = forced(holder, [out], [drafts])
     if position is None:
         assert rows == [None] * k
     else:
@@ -463,7 +473,7 @@ def test_spec_forced_position(budget, prompt, confirmed, k, position):
         assert rows[:position] == [None] * min(position, k)
         if position < k:
             assert rows[position] == E
-    bonus = forced(holder, [out + drafts], [drafts], predict_bonus_token=True, n_rows=1)
+    bonus = forced(holder, [out], [drafts], bonus=True)
     if position is None:
         assert bonus == [None]
     elif position == k:
@@ -481,41 +491,72 @@ def test_spec_draft_rows_layout_over_several_requests():
         )
     )
     drafts = [[4, 5], [6, 7, 8], [], [9, 10]]
-    outputs = [r + d for r, d in zip([r0, r1, r2, r3], drafts)]
+    outputs = [r0, r1, r2, r3]
     # r0: no budget. r1: count 0, budget 2, k 3 -> position 2 (flat row 2 + 2 = 4).
     # r2: count 1 = budget, k 0 -> only the bonus. r3: remaining 3 > 2 -> nothing.
-    rows = forced(holder, outputs, drafts, predict_bonus_token=False, n_rows=7)
+    rows = forced(holder, outputs, drafts)
     assert rows == [None, None, None, None, E, None, None]
-    bonus = forced(holder, outputs, drafts, predict_bonus_token=True, n_rows=4)
+    bonus = forced(holder, outputs, drafts, bonus=True)
     assert bonus[0] is None
     assert bonus[2] == E
     assert bonus[3] is None
 
 
+def test_apply_to_logits_takes_vllms_layout():
+    """vLLM's entry point: each output list ends with its row's drafts
+    (``spec_token_ids``), and the logits rows are the draft positions row after row, or
+    with ``predict_bonus_token`` one bonus row per batch row. It forces what the
+    sampler's positions force, and the drafts never count as confirmed."""
+    holder = make_holder([S], [E], num_spec_tokens=3)
+    confirmed = [[S, 1, 2, 3], [S], [S, 1], [S]]
+    holder.sync_batch(
+        update(
+            4,
+            added=[added(0, None, [], confirmed[0]), added(1, 2, [], confirmed[1]),
+                   added(2, 1, [], confirmed[2]), added(3, 3, [], confirmed[3])],
+        )
+    )
+    drafts = [[4, 5], [6, 7, 8], [], [9, 10]]
+    with_drafts = [c + d for c, d in zip(confirmed, drafts)]
+
+    def apply_to_logits(spec, predict_bonus_token, n_rows):
+        holder.update_state(with_drafts if spec else confirmed, spec)
+        logits = torch.randn(n_rows, V, generator=_GEN) * 3
+        return decode(logits, holder.apply_to_logits(logits.clone(), predict_bonus_token, spec))
+
+    for _ in range(2):  # read twice: the same answer, so the drafts were not confirmed
+        assert apply_to_logits(drafts, False, 7) == [None, None, None, None, E, None, None]
+        bonus = apply_to_logits(drafts, True, 4)
+        assert bonus[0] is None and bonus[2] == E and bonus[3] is None
+        assert bonus == forced(holder, confirmed, drafts, bonus=True)
+    # without drafts: one row per batch row; r2 is at its budget
+    assert apply_to_logits(None, False, 4) == [None, None, E, None]
+
+
 def test_spec_drafts_following_the_end_sequence():
     holder, out = spec_case(2, [], [S, 7], end=(E1, E2, E3))
     drafts = [8, E1, E2]  # count 1 -> 8 reaches 2; then the drafts write the end
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=3)
+    rows = forced(holder, [out], [drafts])
     assert rows == [None, E1, E2]
-    bonus = forced(holder, [out + drafts], [drafts], predict_bonus_token=True, n_rows=1)
+    bonus = forced(holder, [out], [drafts], bonus=True)
     assert bonus == [E3]
 
 
 def test_spec_single_end_accepted_frees_later_positions():
     holder, out = spec_case(1, [], [S])
     drafts = [7, E, 8]
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=3)
+    rows = forced(holder, [out], [drafts])
     assert rows == [None, E, None]
-    bonus = forced(holder, [out + drafts], [drafts], predict_bonus_token=True, n_rows=1)
+    bonus = forced(holder, [out], [drafts], bonus=True)
     assert bonus == [None]
 
 
 def test_spec_model_end_in_drafts_closes_block():
     holder, out = spec_case(5, [], [S, 1])
     drafts = [E, 2, 3]
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=3)
+    rows = forced(holder, [out], [drafts])
     assert rows == [None, None, None]
-    bonus = forced(holder, [out + drafts], [drafts], predict_bonus_token=True, n_rows=1)
+    bonus = forced(holder, [out], [drafts], bonus=True)
     assert bonus == [None]
 
 
@@ -523,35 +564,35 @@ def test_spec_drafts_are_not_counted_as_confirmed_across_steps():
     holder, out = spec_case(4, [], [S])
     drafts = [1, 2, 3]
     # count 0, remaining 4 > 3: nothing (counting the drafts as confirmed would give 1)
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=3)
+    rows = forced(holder, [out], [drafts])
     assert rows == [None, None, None]
-    assert forced(holder, [out + drafts], [drafts], True, n_rows=1) == [None]
+    assert forced(holder, [out], [drafts], bonus=True) == [None]
 
     # next step: 1 accepted, then a recovered token: confirmed count 2
     out.extend([1, 9])
     drafts = [4, 5, 6]  # remaining 2 < 3 -> position 2
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=3)
+    rows = forced(holder, [out], [drafts])
     assert rows[:3] == [None, None, E]
 
     # next step: 4, 5 accepted, then the forced E at position 2: block closed
     out.extend([4, 5, E])
     drafts = [6, 7]
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=2)
+    rows = forced(holder, [out], [drafts])
     assert rows == [None, None]
-    assert forced(holder, [out + drafts], [drafts], True, n_rows=1) == [None]
+    assert forced(holder, [out], [drafts], bonus=True) == [None]
 
 
 def test_spec_mid_end_sequence_across_steps():
     holder, out = spec_case(3, [], [S, 1], end=(E1, E2, E3))
     drafts = [2, 3]  # remaining 2 == k: bonus forced E1
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=2)
+    rows = forced(holder, [out], [drafts])
     assert rows == [None, None]
-    assert forced(holder, [out + drafts], [drafts], True, n_rows=1) == [E1]
+    assert forced(holder, [out], [drafts], bonus=True) == [E1]
     out.extend([2, 3, E1])  # both accepted, bonus E1
     drafts = [E2, E3]
-    rows = forced(holder, [out + drafts], [drafts], predict_bonus_token=False, n_rows=2)
+    rows = forced(holder, [out], [drafts])
     assert rows == [E2, E3]
-    assert forced(holder, [out + drafts], [drafts], True, n_rows=1) == [None]
+    assert forced(holder, [out], [drafts], bonus=True) == [None]
 
 
 def test_spec_unbudgeted_rows_untouched():
@@ -559,5 +600,5 @@ def test_spec_unbudgeted_rows_untouched():
     a = [S, 1, 2, 3]
     holder.sync_batch(update(1, added=[added(0, None, [S], a)]))
     drafts = [4, 5]
-    assert forced(holder, [a + drafts], [drafts], False, n_rows=2) == [None, None]
-    assert forced(holder, [a + drafts], [drafts], True, n_rows=1) == [None]
+    assert forced(holder, [a], [drafts]) == [None, None]
+    assert forced(holder, [a], [drafts], bonus=True) == [None]
