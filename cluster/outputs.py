@@ -1,5 +1,5 @@
 """What the clients hand back: RequestOutput, CompletionOutput and RequestMetrics
-(vLLM's field names and meanings, seed 004)."""
+(vLLM's field names and meanings)."""
 
 from __future__ import annotations
 

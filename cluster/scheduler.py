@@ -4,11 +4,12 @@ rows, with how many tokens.
 Sequences wait in one ``WaitingQueue`` shared by all workers (lowest priority value,
 then earliest arrival, first). Each worker has a ``WorkerScheduler`` that owns its rows
 and its KV memory (a ``BlockManager``: blocks, reference counts, the prefix cache) and
-records every row change with ``BatchUpdateBuilder`` the way the seeds describe: finished, aborted or preempted rows are registered as removed; new
-sequences take the lowest freed row (``pop_removed``) or grow the batch; remaining holes
-are condensed by moving the highest occupied row into the lowest hole (unidirectional
-moves); optionally (``decodes_first``) rows are then swapped so that decodes precede
-prefill chunks. The resulting ``BatchUpdate`` becomes the step message.
+records every row change with ``BatchUpdateBuilder`` the way vLLM's input batch does:
+finished, aborted or preempted rows are registered as removed; new sequences take the
+lowest freed row (``pop_removed``) or grow the batch; remaining holes are condensed by
+moving the highest occupied row into the lowest hole (unidirectional moves); optionally
+(``decodes_first``) rows are then swapped so that decodes precede prefill chunks. The
+resulting ``BatchUpdate`` becomes the step message.
 
 Per step: running sequences first, in (priority, arrival) order, each taking its
 uncomputed tokens up to the step's token budget (long prefills in chunks), then waiting

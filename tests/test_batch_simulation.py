@@ -2,14 +2,14 @@
 
 A list of request objects plays the persistent batch. Each step finishes some requests
 and admits new ones the way vLLM's scheduler/input batch does with
-``BatchUpdateBuilder`` (seed 001, seed 002 chapter 8):
+``BatchUpdateBuilder``:
 
 * ``removed_append`` for every finished row;
 * each new request takes ``pop_removed()`` (lowest freed row first), else extends the
   batch at the end;
 * the remaining holes are condensed with UNIDIRECTIONAL moves from the highest occupied
   row into the lowest hole (either popping the hole from ``removed``, as vLLM's
-  ``condense`` does, or leaving it listed, as the seed's worked example shows);
+  ``condense`` does, or leaving it listed: a move into a listed row is valid too);
 * optionally a few SWAPs; then ``get_and_reset(batch_size)``.
 
 The same update goes to MinP, LogitBias, MinTokens, a custom AdapterLogitsProcessor and
@@ -441,7 +441,7 @@ def test_persistent_batch_simulation(seed, pop_in_condense):
     assert s["removed"] > (60 if not pop_in_condense else 10)
 
 
-# -- deterministic cases from the seeds -------------------------------------------------
+# -- deterministic cases: one step worked by hand -----------------------------------
 
 
 def build(batch_size, removed=(), added=(), moved=()):
@@ -454,7 +454,7 @@ def add(index, **kw):
     return (index, SamplingParams(**kw), [1], [])
 
 
-def test_builder_seed_example_fewer_new_than_finished():
+def test_builder_fewer_new_than_finished():
     """[A,B,C,D]; E new; A, C finish; condense 3 -> 2; swap 0 <-> 1 -> [B,E,D]."""
     b = BatchUpdateBuilder()
     b.removed_append(2)

@@ -1,7 +1,6 @@
-"""The logits-processor framework (seeds 001/002): BatchUpdate, BatchUpdateBuilder,
-LogitsProcessors, process_dict_updates, build_logitsprocs / loading (classes,
-"module:Qualname" strings, entry points), validate_request_params, and
-AdapterLogitsProcessor."""
+"""The logits-processor framework: BatchUpdate, BatchUpdateBuilder, LogitsProcessors,
+process_dict_updates, build_logitsprocs / loading (classes, "module:Qualname" strings,
+entry points), validate_request_params, and AdapterLogitsProcessor."""
 
 from __future__ import annotations
 
@@ -339,16 +338,16 @@ def test_pdu_moves_among_stateless_rows_report_no_change():
     assert entries == {0: "A"}
 
 
-def test_pdu_seed_example_fewer_new_than_finished():
-    # seed 001: [A,B,C,D]; add E at 0, remove 2, move 3->2, swap 0<->1 -> [B,E,D]
+def test_pdu_fewer_new_than_finished():
+    # [A,B,C,D]; add E at 0, remove 2, move 3->2, swap 0<->1 -> [B,E,D]
     entries = {0: "A", 1: "B", 2: "C", 3: "D"}
     bu = _update(3, removed=[2], added=[_add(0, "E")], moved=[(3, 2, UNI), (0, 1, SWAP)])
     assert process_dict_updates(entries, bu, _new_state) is True
     assert entries == {0: "B", 1: "E", 2: "D"}
 
 
-def test_pdu_seed_example_more_new_than_finished():
-    # seed 001: [A,B,C,D]; add E at 2, F at 4, swap 0<->1 -> [B,A,E,D,F]
+def test_pdu_more_new_than_finished():
+    # [A,B,C,D]; add E at 2, F at 4, swap 0<->1 -> [B,A,E,D,F]
     entries = {0: "A", 1: "B", 2: "C", 3: "D"}
     bu = _update(5, added=[_add(2, "E"), _add(4, "F")], moved=[(0, 1, SWAP)])
     assert process_dict_updates(entries, bu, _new_state) is True

@@ -1,4 +1,4 @@
-"""Logprob containers (seed 000): FlatLogprobs against a plain list[dict[int, Logprob]]
+"""Logprob containers: FlatLogprobs against a plain list[dict[int, Logprob]]
 built by hand, the create_* helpers, append_logprobs_for_next_position, the array fast
 path, and the GC property (constant number of tracked objects)."""
 
@@ -295,7 +295,7 @@ def test_append_num_logprobs_zero_only_sampled():
 
 def test_append_wider_rows_truncate_like_zip():
     # Rows carry the batch-wide width (max logprobs of the batch + 1); a request asking
-    # for fewer keeps only 1 + num_logprobs entries (zip semantics in seed 000).
+    # for fewer keeps only 1 + num_logprobs entries (as zip() would).
     token_ids = [7, 1, 2, 3, 4, 5]
     logprobs = [-3.0, -0.1, -0.5, -1.0, -1.2, -1.4]
     texts = ["s", "a", "b", "c", "d", "e"]

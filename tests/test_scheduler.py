@@ -1,8 +1,8 @@
 """WaitingQueue and WorkerScheduler (cluster/scheduler.py).
 
-Example tests pin the seeds' row bookkeeping, FCFS/priority order, preemption of the
-newest sequence, self-preemption and chunked prefill. A hypothesis simulation drives one
-scheduler for many steps (arrivals, finishes, aborts, preemption under a small KV budget)
+Example tests pin the row bookkeeping (freed rows refilled, holes condensed from the
+top), FCFS/priority order, preemption of the newest sequence, self-preemption and
+chunked prefill. A hypothesis simulation drives one scheduler for many steps (arrivals, finishes, aborts, preemption under a small KV budget)
 against a shadow worker (``helpers.ShadowWorker``) that applies every StepRequest by the
 protocol's rules, checks the row, token, KV and ordering invariants after each step, and
 finally checks that every sequence finishes once arrivals stop.
@@ -386,7 +386,7 @@ def test_simulation_exercises_every_path() -> None:
 # -- examples --------------------------------------------------------------------------
 
 
-def test_seed_example_two_removes_one_add() -> None:
+def test_two_removes_one_add() -> None:
     sched, waiting = WorkerScheduler(8, 512, 1000, 16), WaitingQueue()
     seqs = [make_seq(f"s{i}", 3, order=i) for i in range(5)]
     for s in seqs:
