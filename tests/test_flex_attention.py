@@ -126,8 +126,10 @@ def greedy_run(path: str, **config) -> dict[str, tuple[list[int], list[float]]]:
     from sampler.params import SamplingParams
     from worker_driver import MiniDriver
 
-    w = make_worker(path, num_spec_tokens=2, **config)
+    config.setdefault("num_spec_tokens", 0 if config.get("cuda_graphs") else 2)
+    w = make_worker(path, **config)
     assert isinstance(w._runner.backend.attention_kernel, FlexPagedAttention) == bool(config.get("flex_attention"))
+    assert (w._runner.graphs is not None) == bool(config.get("cuda_graphs"))
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     d = MiniDriver(w.step, max_rows=4, token_budget=48, chunk=16)
     shared = prompts(400, [40], seed=9)[0]
@@ -135,3 +137,15 @@ def greedy_run(path: str, **config) -> dict[str, tuple[list[int], list[float]]]:
         d.submit(f"r{i}", p, greedy, arrival_step=i)
     done = d.run()
     return {rid: (r.output, [v for _, vals, _ in r.logprobs for v in vals]) for rid, r in done.items()}
+
+
+def test_decode_graph_inputs_are_refilled_for_every_step(tiny_model_path):
+    """``cuda_graphs`` replays a decode step on fixed inputs refilled each step. Off CUDA
+    the refilled inputs run eagerly: anything the refill missed would show here as a
+    different token or logprob than the plain FlexAttention path (rows joining and
+    leaving, buckets 1-4, padding rows)."""
+    graphs = greedy_run(tiny_model_path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
+    plain = greedy_run(tiny_model_path, flex_attention=True, cpu_fused_decoder=False)
+    for rid in plain:
+        assert graphs[rid][0] == plain[rid][0], rid
+        assert graphs[rid][1] == pytest.approx(plain[rid][1], abs=1e-5)

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ def load() -> Any | None:
         try:
             from torch.utils.cpp_extension import load as load_extension
 
+            _put_ninja_on_path()
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
             module = load_extension(
@@ -98,6 +100,18 @@ def load() -> Any | None:
             module = None
     _loaded.append(module)
     return module
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency)
+    installs it beside the interpreter, which is on PATH only in an activated venv."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:  # the build then says ninja is missing
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 if __name__ == "__main__":  # `python -m worker.cpu.kernels`: build ahead of time

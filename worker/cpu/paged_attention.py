@@ -66,7 +66,7 @@ class CpuPagedKernel:
         self.prefill_queries = prefill_queries
 
     def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
-                num_tokens: np.ndarray) -> KernelRows | None:
+                num_tokens: np.ndarray, static: bool = False) -> KernelRows | None:
         """A step with prefill chunks: every row as kernel rows (one packed call per
         layer); a step of short rows only: None (the plan's batched rows serve)."""
         if not plan.prefill:

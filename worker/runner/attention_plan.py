@@ -27,9 +27,10 @@ class PagedKernel(Protocol):
     (``worker.runner.flex_attention.FlexPagedAttention``)."""
 
     def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
-                num_tokens: np.ndarray) -> Any:
+                num_tokens: np.ndarray, static: bool = False) -> Any:
         """Per-step state every layer's call shares (``plan.kernel_state``), from the
-        arguments of ``AttentionPlan.build``."""
+        arguments of ``AttentionPlan.build``; ``static``: shapes that depend on the batch
+        size only (for CUDA graphs)."""
 
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
                softcap: float | None) -> torch.Tensor | None:
@@ -95,11 +96,12 @@ class AttentionPlan:
         block_table: np.ndarray,
         device: torch.device,
         kernel: PagedKernel | None = None,
+        static: bool = False,
     ) -> "AttentionPlan":
         """``rows[i]`` runs ``num_tokens[i]`` tokens after ``num_computed[i]`` cached
         ones, through its blocks ``block_table[rows[i]]``; the packed sequence holds row
         ``rows[0]``'s tokens first, and so on. ``kernel``: the paged kernel attention
-        uses where it applies."""
+        uses where it applies; ``static``: its state shaped by the batch size only."""
         bs = cache.block_size
         starts = (np.cumsum(num_tokens) - num_tokens).astype(np.int64)
         token_rows = np.repeat(rows, num_tokens)
@@ -146,7 +148,7 @@ class AttentionPlan:
             kernel=kernel,
         )
         if kernel is not None:
-            plan.kernel_state = kernel.prepare(plan, block_table, rows, num_computed, num_tokens)
+            plan.kernel_state = kernel.prepare(plan, block_table, rows, num_computed, num_tokens, static=static)
         return plan
 
     def attend(self, q_all: torch.Tensor, layer: int, scaling: float | None, window: int | None,

@@ -57,8 +57,15 @@ class FlexCall:
     """One FlexAttention call of a step: some of its rows as a batch."""
 
     index: torch.Tensor  # [B, L] packed index of each query (padding points at 0)
-    valid: torch.Tensor  # [B * L] bool, real queries
+    scatter: torch.Tensor  # [B * L] where each output goes: its packed index, T for padding
     block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+    mask_inputs: tuple[torch.Tensor, ...]  # what the mask function reads besides block_logical
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the call reads, in a fixed order (a CUDA graph refills them)."""
+        m = self.block_mask
+        return [self.index, self.scatter, m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices,
+                *self.mask_inputs]
 
 
 @dataclass
@@ -103,21 +110,24 @@ class FlexPagedAttention:
     # -- per step -----------------------------------------------------------------
 
     def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
-                num_tokens: np.ndarray) -> FlexStep | None:
+                num_tokens: np.ndarray, static: bool = False) -> FlexStep | None:
         """The step's calls and block masks (shared by every layer); None when a block
-        sits at two positions (then the torch path serves the step)."""
+        sits at two positions (then the torch path serves the step). ``static``: index
+        lists as wide as the block table (the same shapes whatever the rows' lengths, as
+        a CUDA graph needs)."""
         cache = plan.cache
         device = plan.token_positions.device
         bs = cache.block_size
+        pool_blocks = cache.keys[0].shape[0]
         kv_len = num_computed + num_tokens
         nblocks = -(-kv_len // bs)
-        width = int(nblocks.max())
+        width = block_table.shape[1] if static else int(nblocks.max())
         tables = block_table[rows, :width].astype(np.int64)
         held = np.arange(width)[None, :] < nblocks[:, None]
         blocks, logical = tables[held], np.broadcast_to(np.arange(width), tables.shape)[held]
-        if self._block_logical is None or self._block_logical.shape[0] != cache.num_blocks:
-            self._block_logical = torch.full((cache.num_blocks,), -1, dtype=torch.int32, device=device)
-        seen = np.full(cache.num_blocks, -1, dtype=np.int64)
+        if self._block_logical is None or self._block_logical.shape[0] != pool_blocks:
+            self._block_logical = torch.full((pool_blocks,), -1, dtype=torch.int32, device=device)
+        seen = np.full(pool_blocks, -1, dtype=np.int64)
         seen[blocks] = logical
         if not np.array_equal(seen[blocks], logical):
             return None  # a block at two positions
@@ -150,7 +160,7 @@ class FlexPagedAttention:
         needed = np.where(live, (q_start[:, None] + last_q) // bs + 1, 0)
         full = np.where(live, (q_start[:, None] + first_q + 1) // bs, 0)
         width = table.shape[1]
-        pool_tiles = cache.num_blocks * kv_heads
+        pool_tiles = cache.keys[0].shape[0] * kv_heads
         # Tile ids per query head: block * kv_heads + the head's KV head.
         head_kv = (np.arange(self.num_heads) // group)[None, :, None, None]
         partial_ids = np.take_along_axis(table, np.minimum(full[:, :, None] + np.arange(width)[None, None, :], width - 1)
@@ -167,7 +177,8 @@ class FlexPagedAttention:
             partial = np.concatenate([partial, np.zeros((b, self.num_heads, tiles, pad), np.int64)], axis=-1)
             full_ids = np.concatenate([full_ids, np.zeros((b, self.num_heads, tiles, pad), np.int64)], axis=-1)
         as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-        mask_mod = self._mask_mod(as_int(table), as_int(q_start), as_int(q_len), bs)
+        mask_inputs = (as_int(table), as_int(q_start), as_int(q_len))
+        mask_mod = self._mask_mod(*mask_inputs, bs)
         block_mask = BlockMask.from_kv_blocks(
             as_int(kv_num), as_int(partial), as_int(full_num), as_int(full_ids), BLOCK_SIZE=(q_tile, bs),
             mask_mod=mask_mod, seq_lengths=(longest, pool_tiles * bs), compute_q_blocks=False,
@@ -175,18 +186,19 @@ class FlexPagedAttention:
         qi = np.arange(longest)
         valid = qi[None, :] < q_len[:, None]
         index = np.where(valid, starts[:, None] + qi[None, :], 0)
-        return FlexCall(index=torch.from_numpy(index).to(device), valid=torch.from_numpy(valid.reshape(-1)).to(device),
-                        block_mask=block_mask)
+        scatter = np.where(valid, index, len(plan.host_token_rows)).reshape(-1)
+        return FlexCall(index=torch.from_numpy(index).to(device), scatter=torch.from_numpy(scatter).to(device),
+                        block_mask=block_mask, mask_inputs=mask_inputs)
 
     def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, bs: int):
         block_logical = self._block_logical
-        kv_heads, group, width = self.num_kv_heads, self.group, table.shape[1]
+        kv_heads, group = self.num_kv_heads, self.group
 
         def mask_mod(b, h, q_idx, kv_idx):
             tile = kv_idx // bs
             block = tile // kv_heads
             logical = block_logical[block]
-            member = (logical >= 0) & (table[b, logical.clamp(0, width - 1)] == block)
+            member = (logical >= 0) & (table[b, logical.clamp(0, table.shape[1] - 1)] == block)
             pos = logical * bs + kv_idx % bs
             return member & (tile % kv_heads == h // group) & (q_idx < q_len[b]) & (pos <= q_start[b] + q_idx)
 
@@ -205,14 +217,14 @@ class FlexPagedAttention:
         v = v_pool.view(1, 1, -1, dim)
         flex = self._flex(q_all.device)
         score_mod = _softcap(softcap) if softcap else None
-        out = q_all.new_empty(q_all.shape)
+        total = q_all.shape[0]
+        out = q_all.new_empty(total + 1, *q_all.shape[1:])  # row ``total``: where padding lands
         for call in step.calls:
             b, length = call.index.shape
             q = q_all[call.index].permute(0, 2, 1, 3).to(k.dtype)  # [B, heads, L, dim]
             o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True)
-            o = o.permute(0, 2, 1, 3).reshape(b * length, *q_all.shape[1:])
-            out[call.index.reshape(-1)[call.valid]] = o[call.valid].to(out.dtype)
-        return out
+            out.index_copy_(0, call.scatter, o.permute(0, 2, 1, 3).reshape(b * length, *q_all.shape[1:]).to(out.dtype))
+        return out[:total]
 
 
 def _softcap(cap: float):

@@ -30,11 +30,16 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         prefault: bool = False,
+        scratch_blocks: int = 0,
     ) -> None:
+        """``scratch_blocks`` more blocks follow the ``num_blocks`` the driver allocates:
+        the worker's own (padding rows of a CUDA-graph step write there)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        #: the first block past the driver's (None: no scratch blocks)
+        self.scratch_block = num_blocks if scratch_blocks else None
+        shape = (num_blocks + scratch_blocks, num_kv_heads, block_size, head_dim)
         self.keys = [_lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
         self.values = [_lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
 

@@ -28,6 +28,7 @@ from worker.runner.attention import (
 )
 from worker.runner.attention_plan import AttentionPlan, concat_ranges
 from worker.runner.backend import choose_backend
+from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.input_batch import NO_LOGPROBS, InputBatch
 from worker.runner.kv_pool import PagedKVCache
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
@@ -60,6 +61,7 @@ class ModelRunner:
         self.max_model_len = self.loaded.max_model_len
         self.backend = choose_backend(self.model, self.device, config)
         self.kv = self._allocate_kv_pool(config)
+        self.graphs = self._decode_graphs(config)
         self.sampler_config = config.sampler_config(self.loaded.vocab_size)
         self.reasoning = self._reasoning_config(config)
         # Structured outputs: grammars compile on first use; the cache outlives resets.
@@ -107,7 +109,28 @@ class ModelRunner:
             num_blocks * per_block / 2**30,
         )
         return PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, self.loaded.dtype, self.device,
-                            prefault=config.kv_cache_prefault)
+                            prefault=config.kv_cache_prefault, scratch_blocks=1 if self._wants_graphs(config) else 0)
+
+    def _wants_graphs(self, config: WorkerConfig) -> bool:
+        from worker.runner.flex_attention import FlexPagedAttention
+
+        return (config.cuda_graphs and self.backend.decoder is None
+                and isinstance(self.backend.attention_kernel, FlexPagedAttention))
+
+    def _decode_graphs(self, config: WorkerConfig) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (``cuda_graphs``; workers with FlexAttention; off
+        CUDA the same static inputs are refilled and run eagerly, which tests them)."""
+        if not self._wants_graphs(config):
+            if config.cuda_graphs:
+                logger.warning("cuda_graphs needs FlexAttention (flex_attention not False): decode steps run eagerly")
+            return None
+
+        def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
+                    keep: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                              use_cache=False, logits_to_keep=keep, attention_plan=plan).logits[0]
+
+        return DecodeGraphs(forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device)
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
         """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
@@ -194,15 +217,9 @@ class ModelRunner:
         num_drafts = self._propose_drafts(rows, count, samples)
         count += num_drafts
 
-        plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device,
-                                   self.backend.attention_kernel)
-        starts = plan.starts
-        input_ids = batch.token_ids[plan.host_token_rows, plan.host_token_positions]
-        input_ids = torch.from_numpy(input_ids).to(self.device)
-        position_ids = plan.token_positions
-
         # Logits wanted: each sampling row's last real token plus its drafts, in row
         # order; then the prompt-logprob positions.
+        starts = np.cumsum(count) - count
         s_idx = np.flatnonzero(samples)
         s_rows = rows[s_idx]
         s_width = num_drafts[s_idx] + 1
@@ -210,16 +227,16 @@ class ModelRunner:
         keep = [concat_ranges(s_first, s_width)]
         prompt_chunks = self._prompt_logprob_chunks(rows, computed, count, starts)
         keep += [np.arange(s, s + m) for _, s, m, _ in prompt_chunks]
-        keep_t = torch.from_numpy(np.concatenate(keep)).to(self.device)
-        t1 = time.perf_counter()
-
-        if self.backend.decoder is not None:
-            logits = self.backend.decoder.forward(input_ids, position_ids, plan, keep_t)
+        decode_only = bool(samples.all() and (count == 1).all()) and not prompt_chunks
+        if self.graphs is not None and self.graphs.applies(len(rows), decode_only):
+            t1 = time.perf_counter()
+            logits = self.graphs.run(batch.token_ids[rows, computed], computed, batch.block_table[rows])
         else:
-            logits = self.model(
-                input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                use_cache=False, logits_to_keep=keep_t, attention_plan=plan,
-            ).logits[0]
+            keep_t = torch.from_numpy(np.concatenate(keep)).to(self.device)
+            plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device,
+                                       self.backend.attention_kernel)
+            t1 = time.perf_counter()
+            logits = self._forward(batch.token_ids[plan.host_token_rows, plan.host_token_positions], plan, keep_t)
         t2 = time.perf_counter()
 
         num_sample_logits = int(s_width.sum())
@@ -268,6 +285,18 @@ class ModelRunner:
         return StepReply(**reply, timings=self.timings)
 
     # -- the parts --------------------------------------------------------------------
+
+    def _forward(self, input_ids: np.ndarray | torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor:
+        """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
+        tokens ``input_ids`` (at the plan's positions)."""
+        if isinstance(input_ids, np.ndarray):
+            input_ids = torch.from_numpy(input_ids).to(self.device)
+        if self.backend.decoder is not None:
+            return self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep)
+        return self.model(
+            input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
+            use_cache=False, logits_to_keep=keep, attention_plan=plan,
+        ).logits[0]
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """n-gram drafts for decoding rows, written past each row's known tokens."""

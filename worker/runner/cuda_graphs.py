@@ -1,0 +1,127 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small model on a GPU is bound by kernel launches: every layer's
+dozen kernels are launched from Python. A CUDA graph records the whole forward (the
+transformers model with FlexAttention reading the paged pool) once per bucket of batch
+sizes and replays it with one launch. Only steps where every row decodes one token
+qualify (no prefill chunk, no speculative draft, no prompt logprobs); anything else
+runs eagerly, and the eager forward is the reference the graphs are tested against.
+
+A graph reads and writes fixed memory, so each bucket keeps its own inputs: the token
+ids, positions, the attention plan's tensors (slots, the FlexAttention block mask and
+what its mask function reads), built with ``static=True`` so their shapes depend on the
+bucket alone. A step's rows are padded to the bucket with rows that decode position 0
+of the pool's scratch block (no request's block is touched), and only the real rows'
+logits are returned. Graphs are captured when a bucket is first needed (a warm-up run,
+then the capture: a second or so each); they share one memory pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.runner.attention_plan import AttentionPlan, PagedKernel
+from worker.runner.kv_pool import PagedKVCache
+
+#: Batch sizes a graph is captured for (the engine's max_num_seqs is always one).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionPlan, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None off CUDA: replay runs the forward on the same inputs
+    input_ids: torch.Tensor  # [bucket]
+    position_ids: torch.Tensor  # [bucket]
+    keep: torch.Tensor  # [bucket]
+    plan: AttentionPlan
+    logits: torch.Tensor  # [bucket, vocab], the graph's output
+
+    def replay(self, forward: Forward) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:  # the same recorded inputs, run eagerly (tests of the refill on a CPU)
+            self.logits = forward(self.input_ids, self.position_ids, self.plan, self.keep)
+        return self.logits
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, kv: PagedKVCache, kernel: PagedKernel, max_rows: int,
+                 device: torch.device) -> None:
+        if kv.scratch_block is None:
+            raise ValueError("CUDA graphs need a scratch block in the KV pool for padding rows")
+        self.forward = forward
+        self.kv = kv
+        self.kernel = kernel
+        self.device = device
+        self.buckets = sorted({b for b in BUCKETS if b < max_rows} | {max_rows})
+        self.graphs: dict[int, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def applies(self, num_rows: int, all_decode: bool) -> bool:
+        return all_decode and 0 < num_rows <= self.buckets[-1]
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of one decode step: row ``i`` runs token
+        ``input_ids[i]`` at ``positions[i]`` with block table ``tables[i]`` (its blocks
+        cover ``positions[i] + 1`` tokens)."""
+        rows = len(input_ids)
+        bucket = next(b for b in self.buckets if b >= rows)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            graph = self.graphs[bucket] = self._capture(bucket, tables.shape[1])
+        plan = self._plan(bucket, positions, tables)
+        if plan.kernel_state is None:  # the kernel declined this step: run it eagerly
+            return self.forward(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                                plan, torch.arange(rows, device=self.device))[:rows]
+        graph.input_ids[:rows].copy_(torch.from_numpy(input_ids))
+        graph.input_ids[rows:].zero_()
+        graph.position_ids[:rows].copy_(torch.from_numpy(positions))
+        graph.position_ids[rows:].zero_()
+        for static, new in zip(_plan_tensors(graph.plan), _plan_tensors(plan)):
+            static.copy_(new, non_blocking=True)
+        return graph.replay(self.forward)[:rows]
+
+    def _plan(self, bucket: int, positions: np.ndarray, tables: np.ndarray) -> AttentionPlan:
+        """The step's plan padded to ``bucket`` rows (padding: position 0 of the scratch
+        block), with static shapes."""
+        rows = len(positions)
+        padded = np.full((bucket, tables.shape[1]), self.kv.scratch_block, dtype=tables.dtype)
+        padded[:rows] = tables
+        computed = np.zeros(bucket, dtype=np.int64)
+        computed[:rows] = positions
+        return AttentionPlan.build(self.kv, np.arange(bucket), computed, np.ones(bucket, dtype=np.int64), padded,
+                                   self.device, self.kernel, static=True)
+
+    def _capture(self, bucket: int, width: int) -> _Graph:
+        input_ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        position_ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        keep = torch.arange(bucket, device=self.device)
+        plan = self._plan(bucket, np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.int32))
+        if plan.kernel_state is None:
+            raise RuntimeError("the attention kernel gave no static plan: CUDA graphs cannot capture its steps")
+        if self.device.type != "cuda":
+            return _Graph(None, input_ids, position_ids, keep, plan, self.forward(input_ids, position_ids, plan, keep))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: compiles, allocator state
+            for _ in range(2):
+                self.forward(input_ids, position_ids, plan, keep)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(input_ids, position_ids, plan, keep)
+        return _Graph(graph, input_ids, position_ids, keep, plan, logits)
+
+
+def _plan_tensors(plan: AttentionPlan) -> list[torch.Tensor]:
+    """The plan's tensors that a decode forward reads, in a fixed order."""
+    tensors = [plan.slot_rows, plan.token_positions]
+    for call in plan.kernel_state.calls:
+        tensors += call.tensors()
+    return tensors
