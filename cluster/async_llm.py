@@ -75,12 +75,6 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped
 
-    @property
-    def num_streams(self) -> int:
-        """Requests with a consumer attached (running or queued)."""
-        with self._lock:
-            return len(self._streams)
-
     # -- input work, off the event loop -------------------------------------------------
 
     async def run_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

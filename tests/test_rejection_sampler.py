@@ -14,22 +14,10 @@ import random
 import pytest
 import torch
 
+from reference_sampler import reference_greedy_rejection, reference_row, tv_distance
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.rejection_sampler import RejectionSampler
-
-try:
-    from reference_sampler import (
-        reference_greedy_rejection,
-        reference_row,
-        tv_distance,
-    )
-except ImportError:  # tests/ imported as a package
-    from tests.reference_sampler import (
-        reference_greedy_rejection,
-        reference_row,
-        tv_distance,
-    )
 
 
 def run_rejection(draft_token_ids, draft_probs, target_logits, bonus, params,

@@ -14,16 +14,12 @@ import random
 import pytest
 import torch
 
+from reference_sampler import NEG_INF, reference_row, softmax, tv_distance
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.sampler import Sampler
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
-
-try:
-    from reference_sampler import NEG_INF, reference_row, softmax, tv_distance
-except ImportError:  # tests/ imported as a package
-    from tests.reference_sampler import NEG_INF, reference_row, softmax, tv_distance
 
 
 # -- helpers ----------------------------------------------------------------------------

@@ -233,16 +233,6 @@ class MinTokensLogitsProcessor(LogitsProcessor):
             logits.index_put_(self.logits_slice, self.neg_inf_tensor)
         return logits
 
-    def apply_with_spec_decode(
-        self, logits: torch.Tensor, num_draft_tokens: Sequence[int]
-    ) -> torch.Tensor:
-        """``logits`` holds the draft positions of each row, row after row
-        (``num_draft_tokens[i]`` rows for batch row i)."""
-        counts = np.asarray(num_draft_tokens, dtype=np.int64)
-        row_index = np.repeat(np.arange(len(counts)), counts)
-        num_prior = np.concatenate([np.arange(c) for c in counts]) if len(counts) else counts
-        return self.apply_at_positions(logits, row_index, num_prior)
-
     def apply_at_positions(
         self, logits: torch.Tensor, row_index: Sequence[int], num_prior: Sequence[int]
     ) -> torch.Tensor:
