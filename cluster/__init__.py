@@ -7,10 +7,16 @@ Modules, one idea each:
   request           a request's n sequences and the outputs it shows (per output kind)
   detokenizer       incremental detokenization and stop strings for one sequence
   scheduler         continuous batching for one worker (rows, token and KV budgets)
+  block_manager     one worker's KV blocks as the scheduler sees them (reference
+                    counts, the prefix cache)
   output_processor  a worker's reply merged into its sequences
   engine            LLMEngine: the loop over N Ray workers, fault tolerance
+  worker_pool       the engine's worker actors, from placement to replacement
+  ray_session       an engine's hold on Ray, and stopping exactly what it started
+  metrics           what the engine counts for monitoring (counters, histograms)
   llm, async_llm    the synchronous and the streaming client
   outputs           RequestOutput, CompletionOutput, RequestMetrics
+  demo              the embedded SmolLM2 answering chat prompts through LLM
 """
 
 from cluster.async_llm import AsyncLLM

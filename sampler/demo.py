@@ -1,8 +1,8 @@
-"""``make run`` for now: the sampler on its own, on a toy next-token distribution.
+"""``python -m sampler.demo``: the sampler on its own, on a toy next-token distribution.
 
-Until the engine lands (issues 3-4) this shows the sampler's public API end to end:
-per-request params in one batch, logprobs, seeded reproducibility, a thinking budget
-and a speculative-decoding verification step.
+It shows the sampler's public API end to end, without an engine or a model: per-request
+params in one batch, logprobs, seeded reproducibility, a thinking budget and a
+speculative-decoding verification step.
 """
 
 from __future__ import annotations
