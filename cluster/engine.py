@@ -12,12 +12,12 @@ decode step (nobody waiting, no prefill chunk left) is planned behind the runnin
 before that one's reply is merged (the scheduler counts the tokens in flight, and the
 tokens they will sample, per sequence), so it waits in the actor's queue and the worker
 starts it the moment the running one ends, instead of idling through the reply's trip,
-the merge, the next schedule and the next message's trip (~3-4 ms per step here). The
-worker holds every sampled token itself, so a planned step needs none of their values.
-A sequence whose last token (``max_tokens``) is being sampled is not planned further; one
-that stops on EOS or a stop string runs one token more, which is dropped. A sequence
-preempted while its step is in flight keeps that step's token and waits for the reply
-before it is placed again.
+the merge, the next schedule and the next message's trip. The worker holds every
+sampled token itself, so a planned step needs none of their values. A sequence whose
+last token (``max_tokens``) is being sampled is not planned further; one that stops on
+EOS or a stop string runs one token more, which is dropped. A sequence preempted while
+its step is in flight keeps that step's token and waits for the reply before it is
+placed again.
 
 Faults, one mechanism for all of them: whatever keeps a step from coming back (the worker
 died, its node or its reply object was lost, the step hung past ``step_timeout_s``, the
@@ -415,7 +415,7 @@ class LLMEngine:
         """Whether to queue a step behind ``slot``'s running one: only a decode step
         with nobody waiting. A request that arrives later waits behind the queued step
         as well as the running one; a decode step is short, a prefill chunk is not (and
-        its ~3 ms round trip matters little beside its length)."""
+        its round trip matters little beside its length)."""
         return not self.waiting and slot.scheduler.decodes_only()
 
     def _send_next(self, slot: WorkerSlot, share: int) -> bool:
