@@ -63,3 +63,42 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+#: A Llama of about 1B parameters (TinyLlama's shape, 20 layers): the GPU tests' and
+#: benchmark's model, random weights.
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
+                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096)
+
+
+def build_random_llama(folder: Path, *, seed: int = 0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                       **overrides) -> Path:
+    """A random-weight Llama (``LLAMA_1B`` unless ``overrides`` say otherwise) with a
+    byte-level tokenizer padded to its vocabulary, written into ``folder`` once. Weights
+    are drawn on ``device`` (a GPU does it in a second) and saved in ``dtype``."""
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer_dir = build_tiny_model(folder / "tokenizer-source")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    shape = {**LLAMA_1B, **overrides}
+    tok.add_tokens([f"<t{i}>" for i in range(shape["vocab_size"] - len(tok))])
+    config = AutoConfig.for_model(
+        "llama", **shape, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.03, generator=g)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    return folder

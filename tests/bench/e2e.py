@@ -195,8 +195,8 @@ def generate_padded(model: Any, pad: int, batch: list[Req]) -> int:
     """Runs one left-padded batch to its longest max_tokens; returns that length."""
     width = max(len(r.prompt) for r in batch)
     new = max(r.max_tokens for r in batch)
-    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
-    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=model.device)
     kwargs: dict[str, Any] = {"do_sample": False}
     if not batch[0].greedy:
         torch.manual_seed(batch[0].seed)  # one stream per batch: no per-row seeds in generate
@@ -220,7 +220,10 @@ def run_static(model: Any, pad: int, reqs: list[Req]) -> Result:
 def cb_config(reqs: list[Req], max_rows: int, max_batch_tokens: int) -> Any:
     """Sized like ours: ``max_rows`` requests and ``max_batch_tokens`` tokens per step, a
     KV cache that holds the whole workload (no eviction, as ours never preempts)."""
-    from transformers import ContinuousBatchingConfig
+    try:
+        from transformers.generation import ContinuousBatchingConfig
+    except ImportError:
+        from transformers import ContinuousBatchingConfig
 
     page = 256  # the default page size
     blocks = sum(math.ceil((len(r.prompt) + r.max_tokens) / page) for r in reqs) + 4

@@ -37,6 +37,7 @@ reference it is tested against.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +88,6 @@ class FlexPagedAttention:
         self.compiled = compiled
         self.dynamic = dynamic
         self._eager = flex_attention
-        self._compiled_fn: Any = None
         #: logical position of each pool block in the rows that hold it (valid for the
         #: blocks of the current step's rows), on the pool's device
         self._block_logical: torch.Tensor | None = None
@@ -96,16 +96,10 @@ class FlexPagedAttention:
         compiled = self.compiled if self.compiled is not None else device.type == "cuda"
         if not compiled:
             return self._eager
-        if self._compiled_fn is None:
-            import torch._dynamo
-
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            # Dynamic shapes on CUDA (a step's rows, query length and table width vary:
-            # one compile serves them); static elsewhere (inductor's CPU template for
-            # flex attention fails to build with symbolic sizes in torch 2.13).
-            dynamic = self.dynamic if self.dynamic is not None else device.type == "cuda"
-            self._compiled_fn = torch.compile(self._eager, dynamic=dynamic)
-        return self._compiled_fn
+        # Dynamic shapes on CUDA (a step's rows, query length and table width vary: one
+        # compile serves them); static elsewhere (inductor's CPU template for flex
+        # attention fails to build with symbolic sizes in torch 2.13).
+        return _compiled_flex(self.dynamic if self.dynamic is not None else device.type == "cuda")
 
     # -- per step -----------------------------------------------------------------
 
@@ -225,6 +219,16 @@ class FlexPagedAttention:
             o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True)
             out.index_copy_(0, call.scatter, o.permute(0, 2, 1, 3).reshape(b * length, *q_all.shape[1:]).to(out.dtype))
         return out[:total]
+
+
+@functools.cache
+def _compiled_flex(dynamic: bool) -> Any:
+    """One compiled FlexAttention per process (and shape policy), whatever the runner."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def _softcap(cap: float):

@@ -1,0 +1,335 @@
+"""The CUDA path, on a GPU (``pytest -m cuda``; ``tests/gpu_check.py`` runs these on the
+GPU machine; elsewhere they are collected and skipped with the reason).
+
+- the sampler on CUDA against the independent one-row reference (processed logprobs,
+  support, greedy tokens, the empirical distribution of random rows);
+- FlexAttention compiled for CUDA against the torch path, over shapes that change from
+  call to call (decodes, drafts, prefill chunks, shared prefixes, grouped heads, bf16);
+- the model runner on CUDA against transformers' greedy ``generate`` on the same GPU:
+  exactly in float32 (the tiny model and a random-weight Llama of about 1B parameters,
+  up to a near-tie), and in bfloat16 where the two differ only at near-ties (each run's
+  token in the other's top 2, log-probabilities within 0.05);
+- CUDA graphs for decode steps against the eager forward;
+- ``LLM`` end to end with the worker actor on the GPU (one GPU through Ray): prefix
+  caching, n > 1, logprobs, a JSON-schema constraint; a killed GPU worker replaced on the
+  same GPU with nothing lost.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from sampler.params import SamplingParams
+
+pytestmark = pytest.mark.cuda
+
+VOCAB_TINY = 400
+#: log-probability slack of the bf16 near-tie rule
+BF16_NEAR_TIE = 0.05
+
+
+@pytest.fixture(scope="module")
+def llama_1b() -> str:
+    """The random ~1B Llama, built once per machine (the benchmark reads the same folder)."""
+    from tiny_model import build_random_llama
+
+    folder = os.environ.get("RAYDECODE_GPU_MODEL_DIR", "/tmp/raydecode-llama-1b")
+    return str(build_random_llama(folder))
+
+
+def _hf(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens (EOS neither stops nor is banned) and the log-softmax
+    of the logits that chose each of them ``[n, vocab]``."""
+    ids = torch.tensor([prompt], device="cuda")
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones_like(ids), output_scores=True, return_dict_in_generate=True)
+    finally:
+        model.generation_config = saved
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == n
+    return tokens, torch.log_softmax(torch.stack(out.scores)[:, 0].float(), -1)
+
+
+def _logprobs_along(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """The model's log-softmax at every position of ``continuation`` (teacher forced)."""
+    ids = torch.tensor([prompt + continuation], device="cuda")
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def _run_worker(path: str, prompts: list[list[int]], n: int, logprobs: int | None = None,
+                **config) -> dict[str, list[int]] | dict[str, tuple[list[int], list]]:
+    """Greedy tokens of each prompt from the in-process worker on CUDA (with
+    ``logprobs``: (tokens, per token (top ids, their logprobs, rank)))."""
+    from helpers import make_worker
+    from worker_driver import MiniDriver
+
+    config.setdefault("max_num_seqs", 8)
+    config.setdefault("max_model_len", 512)
+    w = make_worker(path, device="cuda", **config)
+    assert w._runner.device.type == "cuda"
+    d = MiniDriver(w.step, max_rows=8, token_budget=256, chunk=64, num_blocks=w._runner.kv.num_blocks)
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+    for i, p in enumerate(prompts):
+        d.submit(f"r{i}", p, greedy, arrival_step=i)
+    done = d.run()
+    if logprobs is None:
+        return {rid: r.output for rid, r in done.items()}
+    return {rid: (r.output, r.logprobs) for rid, r in done.items()}
+
+
+def _random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+# -- the sampler --------------------------------------------------------------------------
+
+
+def test_the_sampler_on_cuda_equals_the_reference():
+    from reference_sampler import reference_row, tv_distance
+    from sampler.config import SamplerConfig
+    from sampler.metadata import SamplingMetadata
+    from sampler.sampler import Sampler
+
+    vocab = 1000
+    g = torch.Generator().manual_seed(3)
+    knobs = [
+        dict(temperature=0.0), dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.7),
+        dict(temperature=0.7, min_p=0.05), dict(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4),
+        dict(temperature=0.0, presence_penalty=1.5, logit_bias={5: 3.0}), dict(temperature=1.2, top_k=50, top_p=0.9),
+        dict(temperature=0.0, bad_words_token_ids=[[7], [3, 9]], allowed_token_ids=list(range(0, 500))),
+    ]
+    params = [SamplingParams(**k, logprobs=-1) for k in knobs]
+    prompts = [torch.randint(0, vocab, (12,), generator=g).tolist() for _ in params]
+    outputs = [torch.randint(0, vocab, (6,), generator=g).tolist() + [3] for _ in params]
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    config = SamplerConfig(vocab_size=vocab, max_num_seqs=len(params), max_logprobs=-1)
+    md = SamplingMetadata.from_requests(params, prompts, [list(o) for o in outputs], vocab, "cuda", config=config)
+    out = Sampler(None, logprobs_mode="processed_logprobs")(logits.cuda(), md)
+    lt = out.logprobs_tensors
+    for i in range(len(params)):
+        ref = reference_row(logits[i], params[i], prompts[i], outputs[i])
+        got = torch.full((vocab,), float("-inf"))
+        got[lt.token_ids[i, 1:].cpu()] = lt.logprobs[i, 1:].float().cpu()
+        want = torch.tensor(ref.processed_logprobs, dtype=torch.float32)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), f"row {i}: a different support"
+        finite = ~torch.isinf(want)
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4, msg=f"row {i}")
+        token = out.sampled_token_ids[i].item()
+        if ref.is_greedy:
+            assert token == ref.greedy_token, f"greedy row {i}"
+        else:
+            assert token in ref.support, f"random row {i}"
+    # The sampling distribution itself: 20,000 draws of two random rows.
+    draws = 10_000
+    rows = [1, 6]
+    many = [params[r] for r in rows for _ in range(draws)]
+    big = logits[rows].repeat_interleave(draws, 0).cuda()
+    md = SamplingMetadata.from_requests(
+        [SamplingParams(**{k: v for k, v in knobs[r].items()}) for r in rows for _ in range(draws)],
+        [prompts[r] for r in rows for _ in range(draws)], [list(outputs[r]) for r in rows for _ in range(draws)],
+        vocab, "cuda", config=SamplerConfig(vocab_size=vocab, max_num_seqs=len(many)))
+    tokens = Sampler(None)(big, md).sampled_token_ids.cpu().view(len(rows), draws)
+    for j, r in enumerate(rows):
+        ref = reference_row(logits[r], params[r], prompts[r], outputs[r])
+        counts = torch.bincount(tokens[j], minlength=vocab).double() / draws
+        assert tv_distance(counts.tolist(), ref.probs) < 0.05, f"row {r}: the draws do not follow the reference"
+
+
+# -- FlexAttention --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_flex_on_cuda_equals_the_torch_path(dtype):
+    """Shapes that change from call to call, as steps do: one compile (dynamic shapes)
+    must serve them all, each equal to the gather + SDPA path."""
+    from test_flex_attention import case
+    from worker.runner.attention import attend_cached
+    from worker.runner.attention_plan import AttentionPlan
+    from worker.runner.flex_attention import FlexPagedAttention
+
+    shapes = [([1] * 7, 60, 0), ([1, 3, 1, 40], 50, 2), ([90, 17], 9, 0), ([1] * 33, 300, 1), ([16, 1, 200], 0, 3)]
+    for seed, (q_lens, depth, shared) in enumerate(shapes):
+        cache, rows, cached, lens, table, q = case(seed, q_lens, depth, 2, 4, 64, 16, dtype, shared)
+        cache.keys[0] = cache.keys[0].cuda()
+        cache.values[0] = cache.values[0].cuda()
+        q = q.cuda()
+        device = torch.device("cuda")
+        flex = FlexPagedAttention(8, 2)
+        plan = AttentionPlan.build(cache, rows, cached, lens, table, device, flex)
+        got = attend_cached(q, plan, 0, 0.125, None, None)
+        want = attend_cached(q.float(), AttentionPlan.build(_float(cache), rows, cached, lens, table, device),
+                             0, 0.125, None, None)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=f"shape {seed}: {q_lens}")
+
+
+def _float(cache):
+    from worker.runner.kv_pool import PagedKVCache
+
+    exact = PagedKVCache(1, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.keys[0].shape[-1],
+                         torch.float32, torch.device("cuda"))
+    exact.keys[0].copy_(cache.keys[0].float())
+    exact.values[0].copy_(cache.values[0].float())
+    return exact
+
+
+# -- the model runner against transformers ------------------------------------------------------
+
+
+def _assert_greedy_equal_fp32(model, prompts: list[list[int]], ours: dict[str, list[int]], n: int) -> int:
+    """Ours equals transformers token for token, up to a near-tie (a top-2 gap under 1e-4
+    in the reference's logits at the first difference). Returns near-ties seen."""
+    near = 0
+    for i, p in enumerate(prompts):
+        ref, _ = _hf_greedy(model, p, n)
+        at = _first_difference(ours[f"r{i}"], ref)
+        if at is None:
+            continue
+        lp = _logprobs_along(model, p, ref[: at + 1])[at]
+        top2 = torch.topk(lp, 2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < 1e-4, f"prompt {i}: ours differs from transformers at token {at} (top-2 gap {gap:.3g})"
+        near += 1
+    return near
+
+
+def test_the_runner_on_cuda_gives_transformers_greedy_tokens_tiny_float32(tiny_model_path):
+    prompts = _random_prompts(VOCAB_TINY, [5, 37, 80, 130, 9, 64], seed=1)
+    ours = _run_worker(tiny_model_path, prompts, 24, dtype="float32")
+    _assert_greedy_equal_fp32(_hf(tiny_model_path, torch.float32), prompts, ours, 24)
+
+
+def test_the_runner_on_cuda_gives_transformers_greedy_tokens_1b_float32(llama_1b):
+    prompts = _random_prompts(32000, [7, 100, 260, 33], seed=2)
+    ours = _run_worker(llama_1b, prompts, 20, dtype="float32")
+    near = _assert_greedy_equal_fp32(_hf(llama_1b, torch.float32), prompts, ours, 20)
+    print(f"[1B float32] near-ties: {near} of {len(prompts)} prompts")
+
+
+def test_the_runner_in_bfloat16_agrees_with_transformers_up_to_near_ties(llama_1b):
+    prompts = _random_prompts(32000, [7, 100, 260, 33, 150, 12], seed=4)
+    ours = _run_worker(llama_1b, prompts, 20, logprobs=2, dtype="bfloat16")
+    model = _hf(llama_1b, torch.bfloat16)
+    differ = 0
+    for i, p in enumerate(prompts):
+        tokens, logprobs = ours[f"r{i}"]
+        ref, ref_lp = _hf_greedy(model, p, 20)
+        at = _first_difference(tokens, ref)
+        if at is None:
+            continue
+        differ += 1
+        a, b = tokens[at], ref[at]
+        ids, vals, _ = logprobs[at]  # ours: the sampled token first, then the top 2
+        mine = dict(zip(ids[1:], vals[1:]))
+        assert a in mine and b in mine, f"prompt {i} token {at}: {a} / {b} not both in our top 2 {list(mine)}"
+        assert abs(mine[a] - mine[b]) <= BF16_NEAR_TIE, f"prompt {i} token {at}: not a near-tie in ours"
+        top2 = torch.topk(ref_lp[at], 2).indices.tolist()
+        assert a in top2 and b in top2, f"prompt {i} token {at}: {a} / {b} not both in transformers' top 2 {top2}"
+        gap = abs(float(ref_lp[at][a] - ref_lp[at][b]))
+        assert gap <= BF16_NEAR_TIE, f"prompt {i} token {at}: not a near-tie in transformers"
+    print(f"[1B bfloat16] prompts differing from transformers (all at near-ties): {differ} of {len(prompts)}")
+
+
+def test_cuda_graphs_equal_the_eager_forward(llama_1b):
+    """Decode steps replayed from CUDA graphs (buckets 1-8 as rows join and leave) give
+    the eager forward's tokens."""
+    prompts = _random_prompts(32000, [7, 100, 33, 12, 60], seed=5)
+    eager = _run_worker(llama_1b, prompts, 24, dtype="bfloat16")
+    graphs = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", cuda_graphs=True)
+    assert graphs == eager
+
+
+# -- LLM with the worker actor on the GPU -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_llm(tiny_model_path, ray_local):
+    from cluster import LLM
+
+    assert ray_local.cluster_resources().get("GPU", 0) >= 1, "Ray sees no GPU"
+    llm = LLM(tiny_model_path, num_workers=1, dtype="float32", max_model_len=512, max_num_seqs=16)
+    yield llm
+    llm.shutdown()
+
+
+def test_llm_runs_its_worker_on_the_gpu(gpu_llm, tiny_model_path):
+    import jsonschema
+
+    engine = gpu_llm.engine
+    assert all(slot.info.device.startswith("cuda") for slot in engine.workers if slot.live)
+    prompts = _random_prompts(VOCAB_TINY, [40, 70, 18], seed=7)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    first = gpu_llm.generate(prompts, greedy, use_tqdm=False)
+    again = gpu_llm.generate(prompts, greedy, use_tqdm=False)  # the prompts' blocks are cached now
+    model = _hf(tiny_model_path, torch.float32)
+    for i, (a, b) in enumerate(zip(first, again)):
+        assert b.num_cached_tokens >= 16 * ((len(prompts[i]) - 1) // 16), f"prompt {i}: no prefix-cache hit"
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = a.outputs[0].logprobs
+        assert len(lp) == 16
+    _assert_greedy_equal_fp32(model, prompts, {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(first)}, 16)
+    sampled = gpu_llm.generate(prompts[:1], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12,
+                                                           ignore_eos=True), use_tqdm=False)[0]
+    assert len(sampled.outputs) == 3 and len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={
+        "json": schema, "disable_any_whitespace": True})
+    out = gpu_llm.generate(["hello"], constrained, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_a_killed_gpu_worker_is_replaced_on_the_same_gpu_and_nothing_is_lost(gpu_llm):
+    engine = gpu_llm.engine
+    prompts = _random_prompts(VOCAB_TINY, [30, 50, 12, 80, 25, 44], seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, seed=100 + i, max_tokens=64, ignore_eos=True) for i in range(len(prompts))]
+    reference = [o.outputs[0].token_ids for o in gpu_llm.generate(prompts, params, use_tqdm=False)]
+    killed = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"k{i}", p, sp)
+    finals = {}
+    end = time.monotonic() + 300
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < end, f"not done: {len(finals)} finished; {engine.health()}"
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not killed:
+            for slot in engine.workers:
+                started = [s for s in (slot.scheduler.running if slot.scheduler else []) if s.output_token_ids]
+                if slot.live and slot.pid and len(started) >= 3:
+                    killed.append(slot.pid)
+                    os.kill(slot.pid, signal.SIGKILL)
+                    break
+    assert killed, "no worker was killed"
+    assert [finals[f"k{i}"].outputs[0].token_ids for i in range(len(prompts))] == reference
+    live = [slot for slot in engine.workers if slot.live]
+    assert live and live[0].pid not in killed and live[0].info.device.startswith("cuda")
