@@ -227,10 +227,16 @@ def cb_config(reqs: list[Req], max_rows: int, max_batch_tokens: int) -> Any:
 
     page = 256  # the default page size
     blocks = sum(math.ceil((len(r.prompt) + r.max_tokens) / page) for r in reqs) + 4
-    return ContinuousBatchingConfig(
-        page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=max_rows, per_request_processors=True, seed=reqs[0].seed,
-    )
+    wanted = dict(page_size=page, block_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
+                  max_requests_per_batch=max_rows, per_request_processors=True, seed=reqs[0].seed)
+    # The config's field names moved between transformers releases (page_size was
+    # block_size): pass the ones this release takes.
+    accepted = set(inspect.signature(ContinuousBatchingConfig).parameters)
+    if page_size_missing := "page_size" not in accepted:
+        wanted.pop("page_size")
+    if not page_size_missing:
+        wanted.pop("block_size")
+    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
 
 
 def cb_generation_config(sampled: bool, max_new_tokens: int) -> GenerationConfig:

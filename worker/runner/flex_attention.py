@@ -211,12 +211,18 @@ class FlexPagedAttention:
         v = v_pool.view(1, 1, -1, dim)
         flex = self._flex(q_all.device)
         score_mod = _softcap(softcap) if softcap else None
+        cuda = q_all.device.type == "cuda"
         total = q_all.shape[0]
         out = q_all.new_empty(total + 1, *q_all.shape[1:])  # row ``total``: where padding lands
         for call in step.calls:
             b, length = call.index.shape
             q = q_all[call.index].permute(0, 2, 1, 3).to(k.dtype)  # [B, heads, L, dim]
-            o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True)
+            # On CUDA the kernel's tiles are the block mask's (its tiles must divide them),
+            # and the general kernel serves short queries too (a block mask of pool tiles).
+            options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": call.block_mask.BLOCK_SIZE[0],
+                       "BLOCK_N": call.block_mask.BLOCK_SIZE[1]} if cuda else None
+            o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True,
+                     kernel_options=options)
             out.index_copy_(0, call.scatter, o.permute(0, 2, 1, 3).reshape(b * length, *q_all.shape[1:]).to(out.dtype))
         return out[:total]
 
