@@ -233,8 +233,12 @@ def test_the_runner_on_cuda_gives_transformers_greedy_tokens_1b_float32(llama_1b
 
 
 def test_the_runner_in_bfloat16_agrees_with_transformers_up_to_near_ties(llama_1b):
+    """Where the two bf16 runs first differ, both tokens are a near-tie in both runs:
+    each run's logprob of the other's token within 0.05 of its own choice (a tie of two
+    is the top 2 of each; on an H100 one prompt met a tie of three, where the other's
+    token was third)."""
     prompts = _random_prompts(32000, [7, 100, 260, 33, 150, 12], seed=4)
-    ours = _run_worker(llama_1b, prompts, 20, logprobs=2, dtype="bfloat16")
+    ours = _run_worker(llama_1b, prompts, 20, logprobs=5, dtype="bfloat16")
     model = _hf(llama_1b, torch.bfloat16)
     differ = 0
     for i, p in enumerate(prompts):
@@ -245,14 +249,12 @@ def test_the_runner_in_bfloat16_agrees_with_transformers_up_to_near_ties(llama_1
             continue
         differ += 1
         a, b = tokens[at], ref[at]
-        ids, vals, _ = logprobs[at]  # ours: the sampled token first, then the top 2
+        ids, vals, _ = logprobs[at]  # ours: the sampled token first, then the top 5
         mine = dict(zip(ids[1:], vals[1:]))
-        assert a in mine and b in mine, f"prompt {i} token {at}: {a} / {b} not both in our top 2 {list(mine)}"
-        assert abs(mine[a] - mine[b]) <= BF16_NEAR_TIE, f"prompt {i} token {at}: not a near-tie in ours"
-        top2 = torch.topk(ref_lp[at], 2).indices.tolist()
-        assert a in top2 and b in top2, f"prompt {i} token {at}: {a} / {b} not both in transformers' top 2 {top2}"
-        gap = abs(float(ref_lp[at][a] - ref_lp[at][b]))
-        assert gap <= BF16_NEAR_TIE, f"prompt {i} token {at}: not a near-tie in transformers"
+        assert b in mine, f"prompt {i} token {at}: transformers' {b} not in our top 5 {list(mine)}"
+        assert mine[a] - mine[b] <= BF16_NEAR_TIE, f"prompt {i} token {at}: not a near-tie in ours"
+        theirs = float(ref_lp[at][b] - ref_lp[at][a])
+        assert theirs <= BF16_NEAR_TIE, f"prompt {i} token {at}: our {a} is {theirs:.3f} below transformers' {b}"
     print(f"[1B bfloat16] prompts differing from transformers (all at near-ties): {differ} of {len(prompts)}")
 
 

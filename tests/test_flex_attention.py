@@ -149,3 +149,15 @@ def test_decode_graph_inputs_are_refilled_for_every_step(tiny_model_path):
     for rid in plain:
         assert graphs[rid][0] == plain[rid][0], rid
         assert graphs[rid][1] == pytest.approx(plain[rid][1], abs=1e-5)
+
+
+@pytest.mark.parametrize("q_lens", [[1], [1, 3], [17], [40], [33, 1], [90], [300, 5], [64], [65]])
+def test_query_tiles_are_powers_of_two(q_lens):
+    """Triton compiles FlexAttention's tiles only in powers of two (a 48-query tile of a
+    40-token chunk failed on an H100): every call's query tile is one, at least 16."""
+    cache, rows, cached, lens, table, q = case(1, q_lens, 20, 1, 2, 16, 16, torch.float32, 0)
+    plan = AttentionPlan.build(cache, rows, cached, lens, table, torch.device("cpu"), FlexPagedAttention(2, 1))
+    for call in plan.kernel_state.calls:
+        q_tile, kv_tile = call.block_mask.BLOCK_SIZE
+        assert q_tile >= 16 and q_tile & (q_tile - 1) == 0, q_tile
+        assert kv_tile == 16

@@ -106,12 +106,15 @@ class FlexPagedAttention:
     def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
                 num_tokens: np.ndarray, static: bool = False) -> FlexStep | None:
         """The step's calls and block masks (shared by every layer); None when a block
-        sits at two positions (then the torch path serves the step). ``static``: index
+        sits at two positions, or on CUDA when the block size is not a power of two of
+        16 or more (then the torch path serves the step). ``static``: index
         lists as wide as the block table (the same shapes whatever the rows' lengths, as
         a CUDA graph needs)."""
         cache = plan.cache
         device = plan.token_positions.device
         bs = cache.block_size
+        if device.type == "cuda" and (bs < 16 or bs & (bs - 1)):
+            return None  # Triton's key tiles are the blocks: a power of two, 16 or more
         pool_blocks = cache.keys[0].shape[0]
         kv_len = num_computed + num_tokens
         nblocks = -(-kv_len // bs)
@@ -144,7 +147,7 @@ class FlexPagedAttention:
         q_len = num_tokens[which]
         table = tables[which]
         b, longest = len(q_len), int(q_len.max())
-        q_tile = min(q_tile, _round_up(longest, 16))
+        q_tile = min(q_tile, _tile_for(longest))
         tiles = -(-longest // q_tile)
         # Per (row, query tile): the row's blocks up to its last query there (needed), of
         # which the first ``full`` every query of the tile sees whole.
@@ -244,5 +247,7 @@ def _softcap(cap: float):
     return score_mod
 
 
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
+def _tile_for(queries: int) -> int:
+    """The smallest power of two >= ``queries`` and >= 16: Triton's tiles are powers of
+    two, and its matrix units want 16 rows at least."""
+    return max(16, 1 << (max(queries, 1) - 1).bit_length())
