@@ -13,6 +13,7 @@ import logging
 import time
 
 import numpy as np
+import psutil
 import torch
 
 from sampler.logits_processor.interface import LogitsProcessorError
@@ -447,12 +448,7 @@ class ModelRunner:
             "kv_blocks_in_use": int(len(held)),
             "kv_bytes_in_use": int(len(held)) * self.info.kv_cache_bytes // max(1, self.kv.num_blocks),
         }
-        try:
-            import psutil
-
-            report["process_rss_bytes"] = psutil.Process().memory_info().rss
-        except ImportError:  # psutil comes with accelerate; stay useful without it
-            pass
+        report["process_rss_bytes"] = psutil.Process().memory_info().rss
         if self.device.type == "cuda":
             report["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             report["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
@@ -468,12 +464,4 @@ def _default_kv_budget(device: torch.device, gpu_memory_utilization: float) -> i
         used = total - free
         reserve = min(2 * 2**30, int(total * 0.05))
         return max(0, int(total * gpu_memory_utilization) - used - reserve)
-    try:
-        import psutil
-
-        total = psutil.virtual_memory().total
-    except ImportError:
-        import os
-
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(total * 0.25)
+    return int(psutil.virtual_memory().total * 0.25)

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import msgspec
+import psutil
 import ray
 import torch
 
@@ -53,12 +54,7 @@ class Worker:
         """Answers as soon as the actor runs: where it landed and how many cores that
         process may use (the driver sizes its threads from them before ``load``)."""
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        try:
-            import psutil
-
-            memory = psutil.virtual_memory().total
-        except ImportError:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = psutil.virtual_memory().total
         return {"node_id": node_id, "cpus": _usable_cores(), "pid": os.getpid(), "memory": memory}
 
     def set_num_threads(self, num_threads: int) -> None:
