@@ -330,3 +330,16 @@ def test_llm_shutdown_stops_the_ray_it_started(tiny_model_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["started"] >= 4 and report["alive"] == []
+
+
+def test_the_configuration_reference_lists_every_field():
+    """docs/usage.md's table of settings has a row for every EngineConfig field (a new
+    setting is documented where users look for it, not only in --help)."""
+    import msgspec
+
+    from cluster.config import EngineConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    reference = text[text.index("## Configuration reference"):]
+    missing = [f.name for f in msgspec.structs.fields(EngineConfig) if f"| `{f.name}` |" not in reference]
+    assert not missing, f"docs/usage.md's configuration reference lacks {missing}"

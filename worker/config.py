@@ -63,6 +63,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: rows per worker (the worker may allow fewer when its KV budget is smaller)
     max_num_seqs: int = 64
     #: longest prompt + output in tokens; None: the model's own limit
+    #: (``max_position_embeddings``), at most 4096
     max_model_len: int | None = None
     #: tokens per KV block (the unit of allocation and of prefix caching)
     kv_block_size: int = 16
@@ -74,9 +75,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: CPU cpu_kv_cache_fraction of the node's RAM split among this engine's workers there
     kv_cache_memory_bytes: int | None = None
     #: CPU: commit every page of the KV pool when the worker loads (what vLLM's zeroed
-    #: pool does) instead of as blocks are first used. Costs start time (about 1 s per
-    #: GiB on this project's VMs) and the whole pool's RAM up front; spares the first
-    #: requests the page faults
+    #: pool does) instead of as blocks are first used. Costs start time (in proportion
+    #: to the pool's size) and the whole pool's RAM up front; spares the first requests
+    #: the page faults
     kv_cache_prefault: bool = False
     #: CUDA: the share of each GPU's memory a worker may use (model, activations, KV), as in vLLM
     gpu_memory_utilization: float = 0.9
