@@ -1,0 +1,70 @@
+"""The worker package's layout rules, checked: importing ``worker`` registers nothing with
+transformers (the runner registers its attention when it loads a model), no attention
+kernel lives in a module global (it travels in each step's plan), and only
+``worker/transport`` imports Ray (the runner and the CPU backend run in any process)."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules(package: str) -> list[str]:
+    path = ROOT / package.replace(".", "/")
+    return [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(path)]) if not m.ispkg]
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_worker_has_three_rooms():
+    rooms = sorted(p.name for p in (ROOT / "worker").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == ["cpu", "runner", "transport"]
+    assert (ROOT / "worker" / "cpu" / "csrc" / "paged_attention.cpp").exists()
+    assert not list((ROOT / "worker").glob("*.cpp")), "C++ sources live in worker/cpu/csrc"
+
+
+def test_importing_the_worker_registers_nothing_with_transformers():
+    modules = _modules("worker.runner") + _modules("worker.cpu") + _modules("worker.transport")
+    code = "\n".join([f"import {m}" for m in modules] + [
+        "from transformers import AttentionInterface",
+        "from worker.runner.attention import ATTENTION_NAME",
+        "assert ATTENTION_NAME not in AttentionInterface._global_mapping, 'registered at import'",
+        "from worker.runner.attention import register_paged_attention",
+        "register_paged_attention()",
+        "assert ATTENTION_NAME in AttentionInterface._global_mapping",
+        "print('ok')",
+    ])
+    assert _run(code).strip() == "ok"
+
+
+def test_the_runner_and_the_cpu_backend_import_no_ray():
+    modules = _modules("worker.runner") + _modules("worker.cpu") + ["worker", "worker.config"]
+    code = "\n".join([f"import {m}" for m in modules] + ["import sys", "print('ray' in sys.modules)"])
+    assert _run(code).strip() == "False"
+    for path in [*(ROOT / "worker" / "runner").glob("*.py"), *(ROOT / "worker" / "cpu").glob("*.py")]:
+        text = path.read_text()
+        assert "import ray" not in text and "from ray" not in text, path
+
+
+def test_no_attention_kernel_lives_in_a_module_global(tiny_model_path):
+    """A loaded runner's kernel is its backend's and its plans'; no worker module holds one."""
+    from worker.cpu.paged_attention import CpuPagedKernel
+    from worker.runner.flex_attention import FlexPagedAttention
+    from worker.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(worker.WorkerConfig(model=tiny_model_path, max_num_seqs=2, max_model_len=64))
+    assert isinstance(runner.backend.attention_kernel, CpuPagedKernel) or runner.backend.attention_kernel is None
+    for name, module in list(sys.modules.items()):
+        if name == "worker" or name.startswith("worker."):
+            for attr, value in vars(module).items():
+                assert not isinstance(value, (CpuPagedKernel, FlexPagedAttention)), f"{name}.{attr} holds a kernel"
