@@ -1,4 +1,4 @@
-// Fused per-layer ops for the CPU decoder path (worker/fused_decoder.py): the
+// Fused per-layer ops for the CPU decoder path (worker/cpu/fused_decoder.py): the
 // elementwise work of a Llama-shaped layer done in one pass each, so a step dispatches
 // a handful of ops per layer instead of dozens.
 //

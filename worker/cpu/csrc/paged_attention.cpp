@@ -1,5 +1,5 @@
 // Paged attention on CPU: decodes, speculative verification and prefill chunks (cut
-// into runs of queries by the caller, worker/kv_cache.py).
+// into runs of queries by the caller, worker/cpu/paged_attention.py).
 //
 // For row b and KV head h, the row's queries (q_lens[b] of them, the last ones of its
 // kv_lens[b] positions, each with G = heads / kv_heads query heads) attend to the row's
@@ -174,9 +174,9 @@ inline void weighted_add(float* acc, float corr, const float* w, const float* v,
 
 // max(s[0:n]) (-inf for n = 0; a NaN is passed over, as std::max(mx, s[t]) does: MAXPS
 // returns its second operand, the running max, when the first is NaN). Four independent
-// max chains on the vector path: a scalar loop is one chain of dependent maxes, ~4
-// cycles a position, and was ~14% of a decode's kernel time (the running max of every
-// query row, every tile).
+// max chains on the vector path: a scalar loop is one chain of dependent maxes, each
+// waiting on the one before, and was a visible share of a decode's kernel time (the
+// running max of every query row, every tile).
 inline float max_of(const float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
@@ -269,12 +269,12 @@ inline const float* block_as_float(const T* pool, int64_t block, int64_t block_e
 // order: keys then values, tile by tile), asked for into L2 a share at a time between
 // the current block's dot products. Each block is a separate run somewhere in the pool,
 // so the hardware prefetcher cannot see the next one coming. What was measured (decode
-// batch 64, 512 deep, SmolLM2's heads, float32, a pool per layer so nothing stays in
-// L3; ms per layer): no prefetch 4.0-4.2; the whole next block into L1 in one burst at
-// the start of a block, no better (the burst fills the core's miss buffers and stalls
-// it until the block has mostly arrived); the next block spread over the work 3.4-3.7;
-// 4 blocks ahead spread 2.8-3.4; 4 blocks ahead into L2 spread 1.9-2.7 (into L1, 48 KB
-// ahead evicts lines before their use; non-temporal 3.0-4.8). bf16: 2.7-3.3 -> 2.2.
+// batches, SmolLM2's heads, float32, a pool per layer so nothing stays in L3): the
+// whole next block into L1 in one burst at the start of a block was no better than no
+// prefetch (the burst fills the core's miss buffers and stalls it until the block has
+// mostly arrived); the next block spread over the work helped; 4 blocks ahead spread
+// helped more, and most into L2 (into L1, 48 KB ahead evicts lines before their use;
+// non-temporal prefetches were erratic). bf16 pools gain as well.
 constexpr int64_t kPrefetchAheadBytes = 48 * 1024;
 
 struct SpreadPrefetch {
@@ -870,9 +870,9 @@ struct DealtRows {
 // the chunk (each reads the keys up to its own last query), and the even split by index
 // that parallel_for makes gave one thread about three quarters of a fresh chunk's work.
 // Dealt up front rather than taken from a shared counter, each thread knows the row it
-// reads next and prefetches its first blocks (taking rows as they come cost decode 20%:
-// the guessed next row was often the other thread's). Only a thread done with its own
-// rows takes others' (attend).
+// reads next and prefetches its first blocks (taking rows as they come made decodes
+// slower: the guessed next row was often the other thread's). Only a thread done with
+// its own rows takes others' (attend).
 inline DealtRows deal_rows(int64_t B, int64_t threads, const Shapes& z) {
   std::vector<int64_t> rows, cost(B, 0);
   for (int64_t b = 0; b < B; ++b) {

@@ -3,14 +3,14 @@
 // (panel p holds columns 16p .. 16p + 15, one row of 16 per k: pack_panels below).
 //
 // Why: at decode sizes (1 to a few dozen rows) a step is bound by reading the weights,
-// and oneDNN's packed linear read them at ~2/3 of what this VM streams (SmolLM2's 30
-// layers + LM head at one row: 44 ms against 27-30 ms here). A panel is one contiguous
-// run, read once per block of up to 12 rows: each weight vector feeds 12 FMAs from
-// registers (two panels at once: 24 accumulators of 16 lanes, AVX-512), the rows'
-// inputs broadcast from L1. More rows take the same panel again from L2 (the next
-// panels prefetched meanwhile: run_unit). At 384-512 rows (long prefill chunks) the FMA
-// units bound the call and oneDNN is 8-11% ahead, so the engine runs those calls on
-// oneDNN's copy (worker/cpu_linear.py, onednn_from_rows).
+// and oneDNN's packed linear read them well below the rate the memory streams at. A
+// panel is one contiguous run, read once per block of up to 12 rows: each weight vector
+// feeds 12 FMAs from registers (two panels at once: 24 accumulators of 16 lanes,
+// AVX-512), the rows' inputs broadcast from L1. More rows take the same panel again from
+// L2 (the next panels prefetched meanwhile: run_unit). On long prefill chunks the FMA
+// units bound the call and a library GEMM is ahead, so the engine runs those calls on
+// a library GEMM's packed copy (worker/cpu/packed_linear.py: large_call_gemm,
+// gemm_from_rows).
 //
 // Each output is one chain of FMAs over k in order, whatever M, the thread count or the
 // row's neighbours: a row's result does not depend on the batch it is in.
@@ -178,9 +178,8 @@ void run_unit(const Args& a, Isa isa, int64_t unit) {
       // With several blocks of rows, only the first reads the unit's panels from
       // memory and the rest compute from L2, so reading and computing took turns: the
       // next unit's panels are asked into L2 meanwhile, a share in each block, and its
-      // first block finds them there. SmolLM2's layers + LM head at 16 / 32 / 64 / 128
-      // rows: 55 / 68 / 103 / 173 -> 43 / 60 / 80 / 145 ms. Below 6 rows (a block
-      // mostly waiting on memory) the hardware prefetcher alone did as well.
+      // first block finds them there (faster from a few blocks of rows on). Below 6 rows
+      // (a block mostly waiting on memory) the hardware prefetcher alone did as well.
       const int64_t blocks = (a.M + AVX512_ROWS - 1) / AVX512_ROWS;
       const int64_t next = std::min<int64_t>(2, P - (p + 2));
       const int64_t lines = a.M >= 6 && next > 0 ? next * a.K : 0;  // a panel's row of 16 floats: one line
