@@ -3,10 +3,10 @@ model, run with a handful of fused ops per layer.
 
 transformers' eager forward dispatches ~30 ops per layer from Python (norms written out
 as pow / mean / rsqrt / mul, rotary as slices, cat and muls, the residual adds, views
-and transposes); on this project's 2-core CPU that is ~900 ops and ~20 ms of a 65 ms
-batch-1 decode step of SmolLM2, on top of the ~40 ms the matmuls need to read the
-weights. Here a layer is nine calls (ten where the projections are not merged), the
-residual stream ``h`` updated in place:
+and transposes); at batch 1 their dispatch is a large share of a small model's decode
+step, on top of the time the matmuls need to read the weights. Here a layer is nine
+calls (ten where the projections are not merged), the residual stream ``h`` updated in
+place:
 
     x = rms_norm(d, residual=h)                (layer_ops.cpp: h += d, the previous
                                                 layer's MLP output, then x = norm(h))
@@ -15,15 +15,16 @@ residual stream ``h`` updated in place:
                                                 model's projections were merged)
     rotary_to_cache(q, k, v, ...)              (layer_ops.cpp: rotates q in place, k and
                                                 v straight into the paged pool)
-    a = attend_cached(q)                       (worker/kv_cache.py: the paged kernel for
-                                                short rows, SDPA for prefill chunks)
+    a = attend_cached(q)                       (worker/runner/attention.py: the paged
+                                                kernel, worker/cpu/paged_attention.py,
+                                                where it applies, else gather + SDPA)
     x = rms_norm(o_proj(a), residual=h)
     g, u = gate_proj(x), up_proj(x)            (likewise one matmul where merged)
     silu_mul(s, g, u)                          (layer_ops.cpp: s = silu(g) * u)
     d = down_proj(s)
 
 (oneDNN can fuse SiLU, the product and the adds into the matmuls as post-ops; those ran
-2-4% slower than separate passes here at 64 and 512 rows.)
+slower than separate passes here.)
 
 It applies where the model is one of the families whose layers are exactly that
 (``FAMILIES``: Llama, Mistral, Qwen2, with or without projection biases, any rotary
@@ -81,8 +82,8 @@ def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], lis
 
 def merge_projections(model: nn.Module) -> int:
     """Merges each layer's q, k, v and its gate, up projections into one linear each
-    (``worker.cpu.packed_linear.merge_linears``); the number of groups merged. Run before the
-    linears are packed."""
+    (``worker.cpu.packed_linear.merge_linears``); the number of groups merged. Run before
+    the linears are packed."""
     merged = 0
     for layer in model.model.layers:
         merged += merge_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))

@@ -56,7 +56,7 @@ def compiler_flags() -> list[str]:
     pragma only runs its tasks in parallel when the extension itself is built with it
     (without it every row runs on one thread). -fno-trapping-math: without it GCC keeps
     a float clamp (``fast_exp``'s) as a branch and leaves the loop around it scalar
-    (SiLU-mul ran 3x slower than torch's); nothing here reads floating-point exception
+    (SiLU-mul ran slower than torch's); nothing here reads floating-point exception
     flags, and results are unchanged (no reassociation)."""
     return ["-O3", "-fopenmp", "-fno-trapping-math", *isa_flags()]
 

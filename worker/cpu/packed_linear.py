@@ -3,45 +3,41 @@
 ``F.linear`` on CPU re-reads a row-major weight for every call; a weight reordered once
 into a layout its kernel streams runs the same matmul faster. Three packings:
 
-- float32: column panels (``PanelLinear``, ``worker/panel_linear.cpp``): each run of 16
-  output columns stored as one contiguous ``[K, 16]`` block, read once per block of up
-  to 12 rows with every weight vector feeding those rows' FMAs from registers. At
-  decode sizes a step is bound by reading the weights: SmolLM2's 30 layers and LM head
-  take 30-32 ms at one row against 41-42 ms through oneDNN's packed linear, 38-41
-  against 46-49 at 8 rows, 80 against 111 at 64 (the next panels prefetched while a
-  pair's later row blocks compute). From ~110 rows on (prefill chunks, bound by the FMA
-  units) a library GEMM over its own packed copy is ahead, so calls of
-  ``gemm_from_rows`` rows or more run there (``large_call_gemm``), kept beside the
-  panels. Each panel output is one chain of FMAs over k in order, so a row's result
-  does not depend on the batch it is in. The panel pairs are split over the threads in
-  contiguous runs, a thread done early taking the other's from the back
-  (``worker/work_split.h``). Needs the CPU kernels (``worker/paged_attention.py`` builds
-  them) and output sizes that are multiples of 16; otherwise oneDNN's packing serves.
+- float32: column panels (``PanelLinear``, ``worker/cpu/csrc/panel_linear.cpp``): each
+  run of 16 output columns stored as one contiguous ``[K, 16]`` block, read once per
+  block of up to 12 rows with every weight vector feeding those rows' FMAs from
+  registers. At decode sizes a step is bound by reading the weights, and the panels
+  read them faster than oneDNN's packed linear (the next panels prefetched while a
+  pair's later row blocks compute). At prefill sizes (calls bound by the FMA units) a
+  library GEMM over its own packed copy is ahead, so calls of ``gemm_from_rows`` rows or
+  more run there (``large_call_gemm``), kept beside the panels. Each panel output is one
+  chain of FMAs over k in order, so a row's result does not depend on the batch it is
+  in. The panel pairs are split over the threads in contiguous runs, a thread done
+  early taking the other's from the back (``worker/cpu/csrc/work_split.h``). Needs the
+  CPU kernels (``worker/cpu/kernels.py`` builds them) and output sizes that are
+  multiples of 16; otherwise oneDNN's packing serves.
 - float32, large calls: MKL's packed sgemm (``MklPackedWeight``: ``cblas_sgemm_pack``
   and ``_compute`` through torch's ``mkl::_mkl_linear``, what inductor's freezing uses
-  for float32 linears on x86), where torch has MKL. SmolLM2's 30 layers, interleaved in
-  one process on this project's Xeon VM, ms at 512 / 384 / 256 / 128 rows: 392 / 308 /
-  198 / 104 against oneDNN's packed linear 453 / 365 / 253 / 137 and the panels 498 /
-  383 / 255 / 111; a 512-token prefill step 596 -> 549 ms. oneDNN's copy stands in
-  where MKL is missing or fails the load-time check.
+  for float32 linears on x86), where torch has MKL: at prefill sizes it is ahead of both
+  oneDNN's packed linear and the panels. oneDNN's copy stands in where MKL is missing or
+  fails the load-time check.
 - oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
-  into its blocked layout (what inductor's "freezing" does), 2-3.5x ``F.linear`` at 1-64
-  rows in float32 on this project's machines (``tests/bench/worker_step.py``).
+  into its blocked layout (what inductor's "freezing" does), faster than ``F.linear`` at
+  decode sizes in float32 (``tests/bench/worker_step.py`` compares them).
 
 Results equal ``F.linear`` up to float32 rounding (summation order).
 
 bfloat16 weights are packed too where oneDNN has a native bf16 matmul (AVX512-BF16 or
-AMX: ``packable_dtypes``): there the packed bf16 linear runs about twice the float32
-rate (415 against 211 GFLOPS at 64-512 rows on this project's 2-core Zen 4 VM) and reads
-half the bytes at one row. Without those instructions bf16 would only be converted to
-float32 and back, and stays ``F.linear``.
+AMX: ``packable_dtypes``): there the packed bf16 linear computes faster than float32
+and reads half the bytes at one row. Without those instructions bf16 would only be
+converted to float32 and back, and stays ``F.linear``.
 
 Projections that read the same input (a layer's q, k and v; its MLP's gate and up) can
 be stacked into one linear first (``merge_linears``, for the fused decoder): one
-matmul call instead of three or two, which at one to a few rows, where each call reads
-its weights and pays its dispatch, is 5-9% of a decode step. Each projection stays a
-module of the model (``LinearSlice``: its columns of the merged output), so the weights
-exist once and the transformers forward still runs.
+matmul call instead of three or two, a saving that shows in a decode step at one to a
+few rows, where each call reads its weights and pays its dispatch. Each projection stays
+a module of the model (``LinearSlice``: its columns of the merged output), so the
+weights exist once and the transformers forward still runs.
 """
 
 from __future__ import annotations
@@ -142,8 +138,8 @@ class PanelLinear(nn.Module):
     With ``gemm_from_rows`` > 0 it also keeps a library GEMM's packed copy of the
     weight (``large_call_gemm``: MKL's with ``use_mkl``, else oneDNN's) and runs calls
     of at least that many rows (prefill chunks) there: the panels are ahead while
-    reading the weights bounds a call, the library GEMM from ~110 rows on, where the FMA
-    units do (``tests/bench/panel_linear.py``)."""
+    reading the weights bounds a call, the library GEMM once the FMA units do
+    (``tests/bench/panel_linear.py``)."""
 
     def __init__(self, linear: nn.Linear, ops: Any, gemm_from_rows: int = 0, use_mkl: bool = False) -> None:
         super().__init__()
