@@ -13,7 +13,7 @@ what its mask function reads), built with ``static=True`` so their shapes depend
 bucket alone. A step's rows are padded to the bucket with rows that decode position 0
 of the pool's scratch block (no request's block is touched), and only the real rows'
 logits are returned. Graphs are captured when a bucket is first needed (a warm-up run,
-then the capture: a second or so each); they share one memory pool.
+then the capture); they share one memory pool.
 """
 
 from __future__ import annotations

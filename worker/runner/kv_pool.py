@@ -56,12 +56,12 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 prefault: bool = False) -> torch.Tensor:
     """Zeros; on CPU an anonymous mapping, so the OS commits pages only as blocks are
     first used (a pool sized for long requests costs what the requests touch), asked
-    for transparent huge pages: a 512-token prefill writes ~400 KB per layer into fresh
-    blocks, and with 4 KB pages the faults alone cost ~1.2 ms per layer here (2 MB pages:
-    512x fewer faults). ``prefault``: every page committed now, by writing the zeros
-    (after the huge-page advice, so the pages are huge ones): on this project's VMs a
-    first touch costs ~1 s per GiB, which the first requests would otherwise pay (an
-    e2e run allocates ~1.2 GB of fresh blocks)."""
+    for transparent huge pages: a prefill writes its keys and values into fresh blocks,
+    and with 4 KB pages the page faults alone are a visible share of each layer's time
+    (2 MB pages: 512x fewer faults). ``prefault``: every page committed now, by writing
+    the zeros (after the huge-page advice, so the pages are huge ones): a first touch
+    costs time in proportion to the memory touched, which the first requests would
+    otherwise pay."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty(0, dtype=dtype).element_size()

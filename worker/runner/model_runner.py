@@ -420,7 +420,7 @@ class ModelRunner:
             logitsprocs = build_logitsprocs(self.sampler_config, self.device, False)
         except (ImportError, ValueError, TypeError, RuntimeError) as exc:
             raise ModelLoadError(f"logits_processors: {exc}") from None
-        # Structured outputs (worker/structured_output.py): idle while no row has a constraint.
+        # Structured outputs (worker/runner/structured_output.py): idle while no row has a constraint.
         logitsprocs.non_argmax_invariant.append(StructuredOutputLogitsProcessor(
             self.sampler_config, self.device, False, compiler=self.grammar_compiler))
         thinking = None

@@ -6,7 +6,7 @@ the worker as a logits processor built on llguidance.
   matchers in an LRU keyed by (kind, spec, options). The driver uses one to validate a
   constraint when the request enters (``validate``: a ``ValueError`` naming the field);
   each worker uses one to start a row's matcher (``matcher``: a copy of the compiled
-  one, about 10 us instead of a compile).
+  one, far cheaper than a compile).
 - ``StructuredOutputLogitsProcessor`` keeps one matcher per constrained row, following
   the ``BatchUpdate`` (a re-added request, preempted or moved off a dead worker, gets a
   fresh matcher that consumes its output so far), advances it with each token the row
@@ -174,7 +174,7 @@ class _LRU:
 class GrammarCompiler:
     """Compiles constraints against one tokenizer, with an LRU of compiled matchers
     (invalid specs are cached too, with their error). The llguidance tokenizer is built
-    on first use (about 0.5 s for a 49k vocabulary), so a process that never sees a
+    on first use (not cheap for a large vocabulary), so a process that never sees a
     constraint never pays for it. Safe to share between threads."""
 
     def __init__(
@@ -408,8 +408,8 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
 
     def _mask_executor(self) -> llguidance.LLExecutor:
         if self._executor is None:
-            # A mask takes 10-200 us: on a small host a second thread only competes with
-            # torch's; on a larger one, up to 8 compute masks side by side.
+            # A mask is quick to compute: on a small host a second thread only competes
+            # with torch's; on a larger one, up to 8 compute masks side by side.
             threads = max(1, min(8, torch.get_num_threads() // 2))
             self._executor = llguidance.LLExecutor(num_threads=threads)
         return self._executor
@@ -447,9 +447,8 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
     def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
         """-inf where ``bitmask`` (one bit per token, llguidance's layout) is 0; tokens
         past the bitmask are banned. On CPU with numpy (a byte lookup, then one add per
-        row: about 0.1 ms for 8 rows of 49k tokens, where a torch ``masked_fill`` took
-        2 ms, and its intra-op threads stall when the cores are busy); elsewhere the bits
-        are unpacked on the device."""
+        row: much faster than a torch ``masked_fill``, whose intra-op threads stall when
+        the cores are busy); elsewhere the bits are unpacked on the device."""
         vocab = logits.shape[1]
         if (logits.device.type == "cpu" and _LITTLE_ENDIAN and logits.dtype == torch.float32
                 and logits.is_contiguous() and not logits.requires_grad):

@@ -7,9 +7,9 @@ hands it to the caller; the actor and its batch are untouched). Create actors wi
 ``create_worker`` (GPU when ``num_gpus`` > 0) and keep ``max_task_retries=0``: a retried
 step would run twice.
 
-Steps arrive as Ray calls or on the step channel (``worker/step_channel.py``). Either
-way every torch call (load, steps, reset, thread counts) runs on one compute thread
-(``worker/compute_thread.py``), which also reads and answers the channel.
+Steps arrive as Ray calls or on the step channel (``worker/transport/step_channel.py``).
+Either way every torch call (load, steps, reset, thread counts) runs on one compute
+thread (``worker/transport/compute_thread.py``), which also reads and answers the channel.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 OpenMP keeps a team of helper threads per thread that opens parallel regions, and
 libgomp shortens its spin-waits to a token when it manages more threads than there are
 CPUs. A Ray actor's calls run on its main thread; steps arriving on a step channel
-would run on another, so a second team appeared and a decode step got ~20% slower here
+would run on another, so a second team appeared and a decode step got markedly slower
 (the helpers slept between the step's many small parallel regions instead of spinning).
 So everything that touches torch (load, steps, reset, thread counts) runs on this one
 thread: Ray calls hand it work (``submit``), and it reads and answers an attached step

@@ -2,11 +2,10 @@
 carries the step messages and their replies (the same msgspec bytes as the actor's
 ``step`` method), instead of one Ray task call per step.
 
-Why: a Ray actor call costs this project's 2-core machine 1.4 ms of latency idle (~3
-ms under load) and 8.7% of a core at 20 steps a second (the caller's and the actor's
-task machinery, several thread hand-offs each way), against 0.05 ms and 1.6% for a
-socket round trip (``tests/bench/step_split.py``). At one stream a decode step is ~50 ms, so that is
-6-7% of every token; the CPU comes out of the worker's own two cores. Ray's Compiled
+Why: a Ray actor call costs far more latency and CPU than a socket round trip (the
+caller's and the actor's task machinery, several thread hand-offs each way;
+``tests/bench/step_split.py`` measures both). At one stream that is a noticeable share
+of every token, and the CPU comes out of the worker's own cores. Ray's Compiled
 Graphs would cut the latency too, but their shared-memory reader spins: it kept a whole
 core busy between steps here. Ray still creates, places, probes, resets and replaces the
 actor; only the steps take this path, and any worker whose channel cannot be opened is
@@ -14,13 +13,14 @@ driven through Ray calls as before.
 
 Wire: a TCP socket (``TCP_NODELAY``) as a ``multiprocessing.connection.Connection``
 (length-prefixed frames), opened with that module's HMAC challenge both ways on a
-random key handed over through Ray, so only the engine that asked can connect. A request frame is a step message; a reply frame is ``b"R"`` and
-the step's reply, or ``b"E"`` and the text of the exception the step raised (the worker
-serves on: what a ``RayTaskError`` says on the Ray path). A worker that dies closes the
-socket: the engine sees EOF at once.
+random key handed over through Ray, so only the engine that asked can connect. A
+request frame is a step message; a reply frame is ``b"R"`` and the step's reply, or
+``b"E"`` and the text of the exception the step raised (the worker serves on: what a
+``RayTaskError`` says on the Ray path). A worker that dies closes the socket: the
+engine sees EOF at once.
 
-The worker's compute thread (``worker/compute_thread.py``) reads and answers the
-channel itself, the thread its Ray calls' torch work runs on too.
+The worker's compute thread (``worker/transport/compute_thread.py``) reads and answers
+the channel itself, the thread its Ray calls' torch work runs on too.
 """
 
 from __future__ import annotations
