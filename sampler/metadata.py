@@ -91,7 +91,7 @@ class SamplingMetadata:
         if logitsprocs is None and any(p.structured_outputs is not None for p in params):
             raise ValueError(  # the built-ins cannot enforce it: never ignore it silently
                 "structured_outputs is enforced by the worker's StructuredOutputLogitsProcessor "
-                "(worker/structured_output.py): pass logitsprocs that include it"
+                "(worker/runner/structured_output.py): pass logitsprocs that include it"
             )
         if logitsprocs is None:
             logitsprocs = build_logitsprocs(config, device)

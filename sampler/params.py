@@ -106,8 +106,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``properties`` get ``additionalProperties: false`` unless they say otherwise),
     ``whitespace_pattern`` (a regex for the whitespace allowed between tokens).
 
-    The worker enforces it (``worker/structured_output.py``, llguidance); here the shape
-    is checked, and ``LLMEngine.make_request`` compiles it before it is queued.
+    The worker enforces it (``worker/runner/structured_output.py``, llguidance); here
+    the shape is checked, and ``LLMEngine.make_request`` compiles it before it is queued.
     Invalid values raise ``ValueError`` naming ``structured_outputs.<field>``.
     """
 
