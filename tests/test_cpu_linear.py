@@ -1,6 +1,6 @@
-"""Prepacked linears (worker/cpu_linear.py): oneDNN's, float32 and bfloat16, MKL's
-packed sgemm (float32, prefill-sized calls), and the column-panel kernel
-(worker/panel_linear.cpp), float32, on every instruction set this CPU has.
+"""Prepacked linears (worker/cpu/packed_linear.py): oneDNN's, float32 and bfloat16,
+MKL's packed sgemm (float32, prefill-sized calls), and the column-panel kernel
+(worker/cpu/csrc/panel_linear.cpp), float32, on every instruction set this CPU has.
 
 The reference is the exact product in float64 of the same (dtype-rounded) weights and
 inputs, not the op itself; a bfloat16 worker is checked against the float32

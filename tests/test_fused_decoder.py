@@ -1,5 +1,5 @@
-"""The fused CPU decoder path (worker/fused_decoder.py, worker/layer_ops.cpp) against
-the transformers forward it replaces.
+"""The fused CPU decoder path (worker/cpu/fused_decoder.py,
+worker/cpu/csrc/layer_ops.cpp) against the transformers forward it replaces.
 
 Every step of a continuous-batching run (prefill chunks from scratch and continuing a
 cached prompt, decodes, speculative drafts) goes through both: the transformers model

@@ -186,8 +186,9 @@ def test_the_packed_call_refuses_rows_outside_the_tokens():
 
 @pytest.mark.parametrize("items,threads", [(0, 2), (1, 2), (7, 3), (40, 2), (40, 1)])
 def test_the_stealing_split_takes_every_item_once(items, threads):
-    """The kernels' work split (worker/work_split.h): every item is taken exactly once
-    (the C++ side counts double takes and raises), whatever the thread count."""
+    """The kernels' work split (worker/cpu/csrc/work_split.h): every item is taken
+    exactly once (the C++ side counts double takes and raises), whatever the thread
+    count."""
     takers = load().stealing_split_takers(items, threads, -1, 0)
     assert len(takers) == items
     assert all(0 <= t < max(1, min(threads, items)) for t in takers)

@@ -1,7 +1,7 @@
-"""The step channel (worker/step_channel.py) and the worker's compute thread
-(worker/compute_thread.py): frames in order, errors that leave the channel serving,
-a worker end that goes away seen as such (never a hang), strangers refused, every
-torch call on one thread, and a worker actor driven over its channel matching
+"""The step channel (worker/transport/step_channel.py) and the worker's compute thread
+(worker/transport/compute_thread.py): frames in order, errors that leave the channel
+serving, a worker end that goes away seen as such (never a hang), strangers refused,
+every torch call on one thread, and a worker actor driven over its channel matching
 transformers' greedy ``generate``."""
 
 from __future__ import annotations

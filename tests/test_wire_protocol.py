@@ -1,4 +1,4 @@
-"""The driver <-> worker wire format (worker/protocol.py).
+"""The driver <-> worker wire format (worker/transport/protocol.py).
 
 Round trips of StepRequest / StepReply built from random data come back equal and with
 bit-identical arrays; malformed messages raise ProtocolError naming the field path;

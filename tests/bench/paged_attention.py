@@ -4,8 +4,8 @@ Run: ``python tests/bench/paged_attention.py [--quick]``. SmolLM2-135M's attenti
 shape (9 query heads, 3 KV heads, head dim 64, float32), a decode batch of 64 rows, each
 row ``L`` tokens deep, blocks of 16 scattered over the pool:
 
-- kernel: the compiled CPU kernel (``worker/paged_attention.cpp``) reading the blocks in
-  place;
+- kernel: the compiled CPU kernel (``worker/cpu/csrc/paged_attention.cpp``) reading the
+  blocks in place;
 - gather: the torch path (``worker/runner/attention._batched_by_gathering``: copy each row's
   blocks out of the pool, then one SDPA call), the reference and the fallback;
 - dense: SDPA over keys already contiguous per row (``[B, kv_heads, L, D]``), which is

@@ -8,11 +8,11 @@ q/k/v (960 x 576), the output projection (576 x 576), the merged gate/up (3072 x
 and the down projection (576 x 1536), then the LM head (49152 x 576). Every layer has
 its own random weights, so nothing stays in cache from one call to the next, as in a
 real step. For each row count M: one pass of x [M, in] through every layer with the
-weights as ``PanelLinear`` (``worker/panel_linear.cpp``), as ``MklPackedWeight`` (MKL's
-packed sgemm, what a panel linear hands calls of ``cpu_gemm_from_rows`` rows or more,
-where torch has MKL) and as ``PackedLinear`` (oneDNN's blocked layout, what
-``cpu_panel_linear=False`` runs, and the large calls' copy without MKL), interleaved
-round by round, median ms per pass. The LM head runs on 1 row per 8 at prefill sizes
+weights as ``PanelLinear`` (``worker/cpu/csrc/panel_linear.cpp``), as
+``MklPackedWeight`` (MKL's packed sgemm, what a panel linear hands calls of
+``cpu_gemm_from_rows`` rows or more, where torch has MKL) and as ``PackedLinear``
+(oneDNN's blocked layout, what ``cpu_panel_linear=False`` runs, and the large calls'
+copy without MKL), interleaved round by round, median ms per pass. The LM head runs on 1 row per 8 at prefill sizes
 (M >= 256: only the rows that are sampled reach it, as in the engine).
 
 At decode sizes the pass reads ~540 MB of weights and is bound by memory; at prefill

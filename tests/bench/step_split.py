@@ -24,12 +24,13 @@ and the figure the issue sets a target on: the share of wall time outside the wo
 forward + sample (<= 5% at batch 64 on CPU).
 
 Then the transports alone: the same step-sized message (and reply) sent to an echo
-actor through a Ray task call, through a step channel (``worker/step_channel.py``, the
-actor's compute thread answering) and through a Ray Compiled Graph: the median round
-trip of each, and the CPU the two processes use while the echo is called 20 times a
-second (a decode step's pace at one stream), less what they use idle. The compiled
-graph's reader spins on its shared-memory channel: a core's worth, on a machine whose
-two cores the worker's forward needs.
+actor through a Ray task call, through a step channel
+(``worker/transport/step_channel.py``, the actor's compute thread answering) and
+through a Ray Compiled Graph: the median round trip of each, and the CPU the two
+processes use while the echo is called 20 times a second (a decode step's pace at one
+stream), less what they use idle. The compiled graph's reader spins on its
+shared-memory channel: a core's worth, on a machine whose two cores the worker's
+forward needs.
 """
 
 from __future__ import annotations
