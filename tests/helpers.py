@@ -6,6 +6,7 @@
 - The SmolLM2 chat ``QUESTIONS``.
 - Scheduler fakes: a one-letter-per-token ``TOKENIZER`` and the ``ShadowWorker`` that
   applies each StepRequest by the protocol's rules.
+- Paged attention: ``random_paged_case`` (a random pool, rows and block tables).
 - Serving: ``free_port``, ``served`` (an app under Serve on it), ``post_json`` and the
   plain chat ``TEMPLATE``.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import numpy as np
 import torch
 
 from sampler.params import SamplingParams
@@ -188,6 +190,38 @@ class ShadowWorker:
                 row.computed = len(row.tokens) - 1
                 sampled[row.seq_id] = new
         return sampled
+
+
+# -- paged attention --------------------------------------------------------------------
+
+
+def random_paged_case(seed: int, q_lens: list[int], depth: int, kv_heads: int, group: int, dim: int, block: int,
+                      dtype: torch.dtype, shared: int):
+    """A pool with random keys and values, rows with ``q_lens`` queries after up to
+    ``depth`` cached tokens each (the first ``shared`` blocks shared by every row, at the
+    same positions, as the prefix cache shares them), block tables in random order."""
+    from worker.runner.kv_pool import PagedKVCache
+
+    rng = np.random.default_rng(seed)
+    rows = len(q_lens)
+    q_lens = np.array(q_lens, dtype=np.int64)
+    cached = shared * block + rng.integers(0, depth + 1, rows)
+    kv_lens = cached + q_lens
+    need = -(-kv_lens // block)
+    num_blocks = int(need.sum()) + 4
+    order = rng.permutation(num_blocks)
+    table = np.zeros((rows, int(need.max()) + 2), dtype=np.int32)
+    at = shared
+    for r, n in enumerate(need):
+        table[r, :shared] = order[:shared]
+        table[r, shared:n] = order[at : at + n - shared]
+        at += n - shared
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, num_blocks, block, kv_heads, dim, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
+    q = torch.randn(int(q_lens.sum()), kv_heads * group, dim, generator=g).to(dtype)
+    return cache, np.arange(rows), cached, q_lens, table, q
 
 
 # -- serving ----------------------------------------------------------------------------

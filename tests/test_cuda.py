@@ -168,14 +168,14 @@ def test_the_sampler_on_cuda_equals_the_reference():
 def test_compiled_flex_on_cuda_equals_the_torch_path(dtype):
     """Shapes that change from call to call, as steps do: one compile (dynamic shapes)
     must serve them all, each equal to the gather + SDPA path."""
-    from test_flex_attention import case
+    from helpers import random_paged_case
     from worker.runner.attention import attend_cached
     from worker.runner.attention_plan import AttentionPlan
     from worker.runner.flex_attention import FlexPagedAttention
 
     shapes = [([1] * 7, 60, 0), ([1, 3, 1, 40], 50, 2), ([90, 17], 9, 0), ([1] * 33, 300, 1), ([16, 1, 200], 0, 3)]
     for seed, (q_lens, depth, shared) in enumerate(shapes):
-        cache, rows, cached, lens, table, q = case(seed, q_lens, depth, 2, 4, 64, 16, dtype, shared)
+        cache, rows, cached, lens, table, q = random_paged_case(seed, q_lens, depth, 2, 4, 64, 16, dtype, shared)
         cache.keys[0] = cache.keys[0].cuda()
         cache.values[0] = cache.values[0].cuda()
         q = q.cuda()

@@ -7,12 +7,12 @@ the whole model's greedy output with the path on."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import random_paged_case
 from worker.runner.attention import attend_cached
 from worker.runner.attention_plan import AttentionPlan
 from worker.runner.flex_attention import FlexPagedAttention
@@ -20,33 +20,6 @@ from worker.runner.kv_pool import PagedKVCache
 
 # Eager FlexAttention warns that it is unfused; here that is the point (an exact path).
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-def case(seed: int, q_lens: list[int], depth: int, kv_heads: int, group: int, dim: int, block: int,
-         dtype: torch.dtype, shared: int):
-    """A pool with random keys and values, rows with ``q_lens`` queries after up to
-    ``depth`` cached tokens each (the first ``shared`` blocks shared by every row, at the
-    same positions, as the prefix cache shares them), block tables in random order."""
-    rng = np.random.default_rng(seed)
-    rows = len(q_lens)
-    q_lens = np.array(q_lens, dtype=np.int64)
-    cached = shared * block + rng.integers(0, depth + 1, rows)
-    kv_lens = cached + q_lens
-    need = -(-kv_lens // block)
-    num_blocks = int(need.sum()) + 4
-    order = rng.permutation(num_blocks)
-    table = np.zeros((rows, int(need.max()) + 2), dtype=np.int32)
-    at = shared
-    for r, n in enumerate(need):
-        table[r, :shared] = order[:shared]
-        table[r, shared:n] = order[at : at + n - shared]
-        at += n - shared
-    g = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(1, num_blocks, block, kv_heads, dim, dtype, torch.device("cpu"))
-    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
-    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
-    q = torch.randn(int(q_lens.sum()), kv_heads * group, dim, generator=g).to(dtype)
-    return cache, np.arange(rows), cached, q_lens, table, q
 
 
 def both_ways(cache, rows, cached, q_lens, table, q, heads, kv_heads, softcap=None, compiled=False):
@@ -69,7 +42,8 @@ def both_ways(cache, rows, cached, q_lens, table, q, heads, kv_heads, softcap=No
     shared=st.sampled_from([0, 2]),
 )
 def test_flex_equals_the_torch_path(seed, q_lens, depth, kv_heads, group, dim, block, softcap, shared):
-    cache, rows, cached, lens, table, q = case(seed, q_lens, depth, kv_heads, group, dim, block, torch.float32, shared)
+    cache, rows, cached, lens, table, q = random_paged_case(seed, q_lens, depth, kv_heads, group, dim, block,
+                                                            torch.float32, shared)
     got, want = both_ways(cache, rows, cached, lens, table, q, kv_heads * group, kv_heads, softcap)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
@@ -77,7 +51,7 @@ def test_flex_equals_the_torch_path(seed, q_lens, depth, kv_heads, group, dim, b
 def test_flex_in_bfloat16_equals_the_float32_reference():
     """bf16 pools: flex computes in the pool's dtype; the float32 torch path over the
     same values is the judge (a bf16 torch path rounds its own intermediates)."""
-    cache, rows, cached, lens, table, q = case(3, [1, 4, 33], 40, 2, 2, 32, 16, torch.bfloat16, 1)
+    cache, rows, cached, lens, table, q = random_paged_case(3, [1, 4, 33], 40, 2, 2, 32, 16, torch.bfloat16, 1)
     got, _ = both_ways(cache, rows, cached, lens, table, q, 4, 2)
     exact = PagedKVCache(1, cache.num_blocks, cache.block_size, 2, 32, torch.float32, torch.device("cpu"))
     exact.keys[0].copy_(cache.keys[0].float())
@@ -91,7 +65,7 @@ def test_flex_in_bfloat16_equals_the_float32_reference():
 def test_a_block_at_two_positions_hands_the_step_to_the_torch_path():
     """The mask reads one logical position per physical block; a table that breaks that
     (never made by the block manager) must not be attended wrongly."""
-    cache, rows, cached, lens, table, q = case(5, [1, 1], 40, 1, 2, 16, 8, torch.float32, 0)
+    cache, rows, cached, lens, table, q = random_paged_case(5, [1, 1], 40, 1, 2, 16, 8, torch.float32, 0)
     table[1, 0], table[1, 1] = table[0, 1], table[0, 0]  # row 1 holds row 0's blocks swapped
     flex = FlexPagedAttention(2, 1)
     plan = AttentionPlan.build(cache, rows, cached, lens, table, torch.device("cpu"), flex)
@@ -104,7 +78,7 @@ def test_a_block_at_two_positions_hands_the_step_to_the_torch_path():
 def test_compiled_flex_equals_the_torch_path():
     """One compiled case (inductor's CPU template here; Triton on CUDA): decodes, a
     draft run and a prefill chunk over a shared prefix, grouped heads."""
-    cache, rows, cached, lens, table, q = case(11, [1, 3, 1, 40], 50, 2, 3, 32, 16, torch.float32, 2)
+    cache, rows, cached, lens, table, q = random_paged_case(11, [1, 3, 1, 40], 50, 2, 3, 32, 16, torch.float32, 2)
     got, want = both_ways(cache, rows, cached, lens, table, q, 6, 2, compiled=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -155,7 +129,7 @@ def test_decode_graph_inputs_are_refilled_for_every_step(tiny_model_path):
 def test_query_tiles_are_powers_of_two(q_lens):
     """Triton compiles FlexAttention's tiles only in powers of two (a 48-query tile of a
     40-token chunk failed on an H100): every call's query tile is one, at least 16."""
-    cache, rows, cached, lens, table, q = case(1, q_lens, 20, 1, 2, 16, 16, torch.float32, 0)
+    cache, rows, cached, lens, table, q = random_paged_case(1, q_lens, 20, 1, 2, 16, 16, torch.float32, 0)
     plan = AttentionPlan.build(cache, rows, cached, lens, table, torch.device("cpu"), FlexPagedAttention(2, 1))
     for call in plan.kernel_state.calls:
         q_tile, kv_tile = call.block_mask.BLOCK_SIZE
