@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from deploy.cli import ENGINE_DEST, _parser, config_docs, engine_kwargs, main
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -191,9 +192,7 @@ def test_generate_writes_jsonl(ray_local, tiny_model_path, tmp_path):
 
 
 def _serve(tiny_model_path: str, *extra: str) -> tuple[subprocess.Popen, int]:
-    from test_serve_openai import _free_port
-
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     # Its output goes to a file: a pipe nobody reads while it runs fills up (Ray forwards
     # every worker's log lines) and the server then blocks on a write, shutdown included.

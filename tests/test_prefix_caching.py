@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM
+from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
-from test_model_runner import assert_greedy_equal, generate, prompts
 from tiny_model import build_tiny_model
 from worker.runner.model_loader import ModelLoadError
 

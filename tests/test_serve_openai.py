@@ -10,11 +10,9 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import TEMPLATE, free_port, served
+from helpers import TEMPLATE, served
 
 KEY = "sk-test"
-
-_free_port = free_port  # tests/test_cli.py still imports it from here
 
 
 @pytest.fixture(scope="module")
