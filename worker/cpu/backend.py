@@ -37,7 +37,6 @@ def prepare_cpu_backend(model: nn.Module, config: WorkerConfig) -> Backend:
         packed = pack_linear_layers(model, panel_ops, config.cpu_gemm_from_rows)
     kernel = CpuPagedKernel(ops) if ops is not None and config.cpu_attention_kernel else None
     return Backend(
-        name="cpu kernels" if ops is not None else "torch",
         attention_kernel=kernel,
         decoder=FusedDecoder(model, ops) if fused else None,
         num_packed_linear=packed,

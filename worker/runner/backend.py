@@ -31,8 +31,6 @@ class Decoder(Protocol):
 
 @dataclass
 class Backend:
-    #: what serves, for logs and tests ("cpu kernels", "torch")
-    name: str = "torch"
     #: the paged kernel the attention plans carry; None: gather + SDPA
     attention_kernel: PagedKernel | None = None
     #: the forward in place of transformers'; None: the transformers forward
@@ -58,5 +56,4 @@ def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig)
         hf = model.config
         heads = hf.num_attention_heads
         backend.attention_kernel = FlexPagedAttention(heads, getattr(hf, "num_key_value_heads", None) or heads)
-        backend.name += " + flex attention"
     return backend

@@ -8,8 +8,8 @@ qualify (no prefill chunk, no speculative draft, no prompt logprobs); anything e
 runs eagerly, and the eager forward is the reference the graphs are tested against.
 
 A graph reads and writes fixed memory, so each bucket keeps its own inputs: the token
-ids, positions, the attention plan's tensors (slots, the FlexAttention block mask and
-what its mask function reads), built with ``static=True`` so their shapes depend on the
+ids and the attention plan's tensors (the positions, the KV slots, the FlexAttention
+block mask and what its mask function reads), built with ``static=True`` so their shapes depend on the
 bucket alone. A step's rows are padded to the bucket with rows that decode position 0
 of the pool's scratch block (no request's block is touched), and only the real rows'
 logits are returned. Graphs are captured when a bucket is first needed (a warm-up run,
@@ -30,14 +30,15 @@ from worker.runner.kv_pool import PagedKVCache
 #: Batch sizes a graph is captured for (the engine's max_num_seqs is always one).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionPlan, torch.Tensor], torch.Tensor]
+#: the runner's forward: token ids [T] (at the plan's positions), the plan, the packed
+#: positions whose logits are wanted -> logits
+Forward = Callable[[torch.Tensor, AttentionPlan, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None off CUDA: replay runs the forward on the same inputs
     input_ids: torch.Tensor  # [bucket]
-    position_ids: torch.Tensor  # [bucket]
     keep: torch.Tensor  # [bucket]
     plan: AttentionPlan
     logits: torch.Tensor  # [bucket, vocab], the graph's output
@@ -46,7 +47,7 @@ class _Graph:
         if self.graph is not None:
             self.graph.replay()
         else:  # the same recorded inputs, run eagerly (tests of the refill on a CPU)
-            self.logits = forward(self.input_ids, self.position_ids, self.plan, self.keep)
+            self.logits = forward(self.input_ids, self.plan, self.keep)
         return self.logits
 
 
@@ -77,12 +78,10 @@ class DecodeGraphs:
             graph = self.graphs[bucket] = self._capture(bucket, tables.shape[1])
         plan = self._plan(bucket, positions, tables)
         if plan.kernel_state is None:  # the kernel declined this step: run it eagerly
-            return self.forward(torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                                plan, torch.arange(rows, device=self.device))[:rows]
+            ids = torch.from_numpy(np.pad(input_ids, (0, bucket - rows))).to(self.device)
+            return self.forward(ids, plan, torch.arange(rows, device=self.device))
         graph.input_ids[:rows].copy_(torch.from_numpy(input_ids))
         graph.input_ids[rows:].zero_()
-        graph.position_ids[:rows].copy_(torch.from_numpy(positions))
-        graph.position_ids[rows:].zero_()
         for static, new in zip(_plan_tensors(graph.plan), _plan_tensors(plan)):
             static.copy_(new, non_blocking=True)
         return graph.replay(self.forward)[:rows]
@@ -100,27 +99,27 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, width: int) -> _Graph:
         input_ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        position_ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
         keep = torch.arange(bucket, device=self.device)
         plan = self._plan(bucket, np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.int32))
         if plan.kernel_state is None:
             raise RuntimeError("the attention kernel gave no static plan: CUDA graphs cannot capture its steps")
         if self.device.type != "cuda":
-            return _Graph(None, input_ids, position_ids, keep, plan, self.forward(input_ids, position_ids, plan, keep))
+            return _Graph(None, input_ids, keep, plan, self.forward(input_ids, plan, keep))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: compiles, allocator state
             for _ in range(2):
-                self.forward(input_ids, position_ids, plan, keep)
+                self.forward(input_ids, plan, keep)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.forward(input_ids, position_ids, plan, keep)
-        return _Graph(graph, input_ids, position_ids, keep, plan, logits)
+            logits = self.forward(input_ids, plan, keep)
+        return _Graph(graph, input_ids, keep, plan, logits)
 
 
 def _plan_tensors(plan: AttentionPlan) -> list[torch.Tensor]:
-    """The plan's tensors that a decode forward reads, in a fixed order."""
+    """The plan's tensors that a decode forward reads (the positions, the KV slots, the
+    attention calls'), in a fixed order."""
     tensors = [plan.slot_rows, plan.token_positions]
     for call in plan.kernel_state.calls:
         tensors += call.tensors()

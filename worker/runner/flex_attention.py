@@ -78,15 +78,13 @@ class FlexPagedAttention:
     """The attention plan's ``kernel`` on devices without a compiled paged kernel of their
     own: attention for every row of a step through FlexAttention."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, compiled: bool | None = None,
-                 dynamic: bool | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, compiled: bool | None = None) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.compiled = compiled
-        self.dynamic = dynamic
         self._eager = flex_attention
         #: logical position of each pool block in the rows that hold it (valid for the
         #: blocks of the current step's rows), on the pool's device
@@ -99,7 +97,7 @@ class FlexPagedAttention:
         # Dynamic shapes on CUDA (a step's rows, query length and table width vary: one
         # compile serves them); static elsewhere (inductor's CPU template for flex
         # attention fails to build with symbolic sizes in torch 2.13).
-        return _compiled_flex(self.dynamic if self.dynamic is not None else device.type == "cuda")
+        return _compiled_flex(device.type == "cuda")
 
     # -- per step -----------------------------------------------------------------
 
@@ -124,9 +122,10 @@ class FlexPagedAttention:
         blocks, logical = tables[held], np.broadcast_to(np.arange(width), tables.shape)[held]
         if self._block_logical is None or self._block_logical.shape[0] != pool_blocks:
             self._block_logical = torch.full((pool_blocks,), -1, dtype=torch.int32, device=device)
-        seen = np.full(pool_blocks, -1, dtype=np.int64)
-        seen[blocks] = logical
-        if not np.array_equal(seen[blocks], logical):
+        _, which_block = np.unique(blocks, return_inverse=True)
+        position = np.empty(which_block.max(initial=-1) + 1, dtype=np.int64)
+        position[which_block] = logical
+        if not np.array_equal(position[which_block], logical):
             return None  # a block at two positions
         self._block_logical[torch.from_numpy(blocks).to(device)] = torch.from_numpy(logical.astype(np.int32)).to(device)
         short = num_tokens <= SHORT_QUERY_TILE

@@ -126,12 +126,7 @@ class ModelRunner:
                 logger.warning("cuda_graphs needs FlexAttention (flex_attention not False): decode steps run eagerly")
             return None
 
-        def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
-                    keep: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                              use_cache=False, logits_to_keep=keep, attention_plan=plan).logits[0]
-
-        return DecodeGraphs(forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device)
+        return DecodeGraphs(self._forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device)
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
         """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
@@ -237,7 +232,8 @@ class ModelRunner:
             plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device,
                                        self.backend.attention_kernel)
             t1 = time.perf_counter()
-            logits = self._forward(batch.token_ids[plan.host_token_rows, plan.host_token_positions], plan, keep_t)
+            input_ids = torch.from_numpy(batch.token_ids[plan.host_token_rows, plan.host_token_positions]).to(self.device)
+            logits = self._forward(input_ids, plan, keep_t)
         t2 = time.perf_counter()
 
         num_sample_logits = int(s_width.sum())
@@ -287,11 +283,9 @@ class ModelRunner:
 
     # -- the parts --------------------------------------------------------------------
 
-    def _forward(self, input_ids: np.ndarray | torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor:
         """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
         tokens ``input_ids`` (at the plan's positions)."""
-        if isinstance(input_ids, np.ndarray):
-            input_ids = torch.from_numpy(input_ids).to(self.device)
         if self.backend.decoder is not None:
             return self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep)
         return self.model(
