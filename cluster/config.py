@@ -18,7 +18,8 @@ class EngineConfig(WorkerConfig, kw_only=True):
 
     #: Ray address; None: the running Ray of this process, else a new local one
     address: str | None = None
-    #: data-parallel worker actors, each a whole model replica fed from one queue
+    #: data-parallel workers, each a whole model replica fed from one queue (one actor,
+    #: or tensor_parallel_size x pipeline_parallel_size actors)
     num_workers: int = 1
     #: tokens per worker step (prefill chunks + decodes)
     max_num_batched_tokens: int = 512
@@ -47,11 +48,15 @@ class EngineConfig(WorkerConfig, kw_only=True):
     step_channel: bool = True
     #: "fcfs" or "priority" (lower value first, vLLM's convention)
     scheduling_policy: str = "fcfs"
-    #: Ray CPUs per worker actor. None: one CPU (a scheduling token, not a thread cap:
-    #: a second engine or a replacement worker always has room)
+    #: Ray CPUs per worker actor (per rank of a model-parallel worker). None: one CPU
+    #: per worker, shared among its ranks (a scheduling token, not a thread cap: a
+    #: second engine or a replacement worker always has room)
     worker_num_cpus: float | None = None
-    #: Ray GPUs per worker actor. None: one GPU each when the cluster has GPUs
+    #: Ray GPUs per worker actor (per rank). None: one GPU each when the cluster has GPUs
     worker_num_gpus: float | None = None
+    #: how a model-parallel worker's ranks are placed (Ray placement group strategy):
+    #: PACK (on one node where they fit), STRICT_PACK, SPREAD or STRICT_SPREAD
+    placement_group_strategy: str = "PACK"
     #: custom resources each worker requires (places workers on the nodes that offer them)
     worker_resources: dict[str, float] = msgspec.field(default_factory=dict)
     #: seconds a worker may take to be placed and load its model (at start: an error;
@@ -96,6 +101,8 @@ class EngineConfig(WorkerConfig, kw_only=True):
         check_fraction(self, "cpu_kv_cache_fraction")
         require(is_int(self.prefix_routing_max_imbalance) and self.prefix_routing_max_imbalance >= 0,
                 "prefix_routing_max_imbalance", "an int >= 0", self.prefix_routing_max_imbalance)
+        require(self.placement_group_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+                "placement_group_strategy", "PACK, STRICT_PACK, SPREAD or STRICT_SPREAD", self.placement_group_strategy)
         require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'",
                 self.scheduling_policy)
         require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",

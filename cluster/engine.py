@@ -57,6 +57,7 @@ from cluster.sequence import Sequence
 from cluster.worker_pool import SentStep, WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
 from worker.runner.model_loader import load_tokenizer
+from worker.runner.sharded_loader import check_model_parallel
 from worker.transport.protocol import Codec, StepTimings
 from worker.transport.step_channel import ChannelClosed, StepFailed, wait_ready
 from worker.runner.structured_output import GrammarCompiler
@@ -124,6 +125,9 @@ class LLMEngine:
         self.ray = RaySession.connect(config.address, config.ray_init_kwargs)
         try:
             self.tokenizer, self.model_name = load_tokenizer(config.model, config.trust_remote_code)
+            if config.group_size > 1:  # refused before any actor starts
+                check_model_parallel(config.model, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                     config.pipeline_layer_partition, config.trust_remote_code)
             self._codec = Codec()
             self.pool = WorkerPool(config)
             for slot in self.pool.start():
@@ -196,16 +200,18 @@ class LLMEngine:
             # A step on the channel does not tell of a node that vanished without
             # closing its sockets (a Ray call would), so busy channel workers are probed too.
             probe = slot.inflight is None or slot.channel is not None
-            if slot.probe_ref is None:
+            if not slot.probe_refs:
                 if probe and now - slot.probed_at > IDLE_PROBE_S:
-                    slot.probe_ref, slot.probed_at = slot.actor.health.remote(), now
+                    # Every rank of a group: one that died takes the group down.
+                    slot.probe_refs, slot.probed_at = [r.actor.health.remote() for r in slot.ranks], now
                 continue
-            ready, _ = ray.wait([slot.probe_ref], timeout=0)
-            if not ready and now - slot.probed_at < self.config.ray_call_timeout_s:
+            refs = slot.probe_refs
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs) and now - slot.probed_at < self.config.ray_call_timeout_s:
                 continue
-            ref, slot.probe_ref = slot.probe_ref, None
+            slot.probe_refs = []
             try:
-                ray.get(ref, timeout=0 if not ready else self.config.ray_call_timeout_s)
+                ray.get(refs, timeout=0 if len(ready) < len(refs) else self.config.ray_call_timeout_s)
             except RayError as exc:
                 if probe:  # else the step in flight reports it
                     state = "idle" if slot.inflight is None else "running a step"
@@ -567,8 +573,7 @@ class LLMEngine:
 
     def _wait_for_workers(self, timeout: float) -> None:
         """No live worker: wait (bounded) for a starting one."""
-        starting = [w.ready_ref if not w.placed else w.load_ref for w in self.workers if not w.live]
-        starting = [r for r in starting if r is not None]
+        starting = [ref for w in self.workers if not w.live for ref in w.waiting_refs()]
         if starting:
             ray.wait(starting, num_returns=1, timeout=min(timeout, 0.5))
         else:
@@ -626,6 +631,10 @@ class LLMEngine:
             "problems": problems,
             "warnings": self.pool.problems(),
             "live_workers": sum(w.live for w in workers),
+            "ranks_per_worker": self.pool.group_size,
+            # a worker short of num_workers (a lost one, or a group that lost a rank, is
+            # being replaced): serving, at less than full strength
+            "degraded": sum(w.live for w in workers) < c.num_workers,
             "starting_workers": sum(not w.live for w in workers),
             "worker_failures": self.pool.num_failures,
             "running_requests": len(self.requests),

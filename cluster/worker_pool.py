@@ -15,8 +15,16 @@ steps). The pool
   runs;
 - bounds every wait on Ray with a timeout.
 
+A worker can be a *group* of ranks (``tensor_parallel_size x pipeline_parallel_size``
+Ray actors holding one replica of the model between them, ``worker/runner/
+parallel_layout.py``). Everything above holds for the group as a whole: its ranks are
+gang-scheduled in one Ray placement group (``placement_group_strategy``: PACK keeps a
+group on one node where it fits), they load together (meeting at rank 0's rendezvous
+address), the engine steps the group's leader only (it forwards each step to the other
+ranks), and a rank that dies takes the group with it: the whole group is replaced.
+
 The engine owns what a live worker runs (its scheduler, the step in flight); the pool
-owns the actor's life.
+owns the actors' lives.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +43,8 @@ from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from cluster.config import EngineConfig
 from worker.transport.actor import create_worker, decode_info
 from worker.runner.model_loader import ModelLoadError
+from worker.transport.protocol import GroupRank
+from worker.runner.parallel_layout import leader_rank
 from worker.transport.protocol import WorkerInfo
 from worker.transport.step_channel import StepChannel
 
@@ -52,20 +63,36 @@ class SentStep:
 
 
 @dataclass
-class WorkerSlot:
-    """One worker actor and the driver's view of it."""
+class Rank:
+    """One actor of a worker (a single worker is a group of one rank)."""
 
-    index: int
     actor: Any
-    resources: dict[str, Any]
     ready_ref: Any  # resolves (node id, cores) once Ray has started the actor
-    created_at: float = field(default_factory=time.monotonic)
-    load_ref: Any = None  # while the model loads
     node_id: str | None = None
     node_cpus: int = 1
     node_memory: int = 0
     pid: int | None = None  # the actor's process, once placed
     num_threads: int | None = None
+    load_ref: Any = None  # while the model loads
+    info: WorkerInfo | None = None  # once loaded
+
+    @property
+    def placed(self) -> bool:
+        return self.node_id is not None
+
+
+@dataclass
+class WorkerSlot:
+    """One worker (a model replica: one actor, or a model-parallel group of them) and
+    the driver's view of it."""
+
+    index: int
+    ranks: list[Rank]
+    resources: dict[str, Any]  # what each rank asks for
+    leader: int = 0  # the rank the engine steps (it samples and replies)
+    lane: int = 0  # which of the engine's num_workers places this worker fills
+    placement_group: Any = None  # the group's, when the pool made one
+    created_at: float = field(default_factory=time.monotonic)
     placement_reported: bool = False
     info: WorkerInfo | None = None
     #: the worker's step channel (None: steps go as Ray calls)
@@ -75,8 +102,25 @@ class WorkerSlot:
     #: steps sent and not yet merged, oldest first (two under async scheduling: the
     #: worker runs one while the next waits in its actor queue)
     pending: list[SentStep] = field(default_factory=list)
-    probe_ref: Any = None  # a liveness call on an idle worker
+    probe_refs: list[Any] = field(default_factory=list)  # liveness calls on every rank
     probed_at: float = 0.0
+
+    @property
+    def actor(self) -> Any:
+        """The actor the engine steps (the group's leader)."""
+        return self.ranks[self.leader].actor
+
+    @property
+    def pid(self) -> int | None:
+        return self.ranks[self.leader].pid
+
+    @property
+    def node_id(self) -> str | None:
+        return self.ranks[self.leader].node_id
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.ranks[self.leader].num_threads
 
     @property
     def live(self) -> bool:
@@ -94,7 +138,12 @@ class WorkerSlot:
 
     @property
     def placed(self) -> bool:
-        return self.node_id is not None
+        return all(r.placed for r in self.ranks)
+
+    def waiting_refs(self) -> list[Any]:
+        """What a starting worker waits on: its ranks' placement, then their loads."""
+        return [r.ready_ref if not r.placed else r.load_ref for r in self.ranks
+                if not r.placed or r.load_ref is not None]
 
 
 class WorkerPool:
@@ -107,7 +156,8 @@ class WorkerPool:
         self._start_failures = 0  # consecutive failed starts: the backoff exponent
         self._next_start = 0.0  # monotonic time before which no replacement starts
         self.last_error: str | None = None
-        self._resources = self._resources_per_worker()
+        self.group_size = config.group_size
+        self._resources = self._resources_per_rank()
 
     # -- views ----------------------------------------------------------------------
 
@@ -119,6 +169,9 @@ class WorkerPool:
     def starting(self) -> list[WorkerSlot]:
         return [s for s in self.slots if not s.live]
 
+    def _ranks(self) -> list[Rank]:
+        return [r for s in self.slots for r in s.ranks]
+
     def problems(self) -> list[str]:
         """Workers that cannot be placed, as a sentence each."""
         now = time.monotonic()
@@ -129,17 +182,41 @@ class WorkerPool:
 
     # -- starting -------------------------------------------------------------------
 
-    def _resources_per_worker(self) -> dict[str, Any]:
+    def _resources_per_rank(self) -> dict[str, Any]:
+        """What one rank asks Ray for: a GPU each when the cluster has GPUs; CPUs
+        ``worker_num_cpus``, else one CPU per worker shared among its ranks (a token,
+        not a thread cap: a group of three fits a two-core machine)."""
         c = self.config
         gpus = c.worker_num_gpus
         if gpus is None:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        cpus = c.worker_num_cpus if c.worker_num_cpus is not None else 1
+        cpus = c.worker_num_cpus if c.worker_num_cpus is not None else round(1.0 / self.group_size, 4)
         return {"num_gpus": gpus, "num_cpus": cpus, "resources": dict(c.worker_resources)}
 
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle."""
+        r = self._resources
+        return {k: v for k, v in {"CPU": r["num_cpus"], "GPU": r["num_gpus"], **r["resources"]}.items() if v}
+
     def _spawn(self) -> WorkerSlot:
-        actor = create_worker(**self._resources, compute_thread=self.config.step_channel)
-        slot = WorkerSlot(next(self._ids), actor, self._resources, actor.ready.remote())
+        lanes = {s.lane for s in self.slots}
+        lane = next(i for i in itertools.count() if i not in lanes)
+        n = self.group_size
+        options: list[dict[str, Any]] = [{} for _ in range(n)]
+        pg = None
+        if n > 1:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            pg = placement_group([self.bundle() for _ in range(n)], strategy=self.config.placement_group_strategy)
+            options = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)} for i in range(n)]
+        ranks = []
+        for i in range(n):
+            actor = create_worker(**self._resources, compute_thread=self.config.step_channel or n > 1, **options[i])
+            ranks.append(Rank(actor, actor.ready.remote()))
+        slot = WorkerSlot(next(self._ids), ranks, self._resources, leader=leader_rank(
+            self.config.tensor_parallel_size, self.config.pipeline_parallel_size), lane=lane, placement_group=pg)
         self.slots.append(slot)
         return slot
 
@@ -154,20 +231,23 @@ class WorkerPool:
         loaded: list[WorkerSlot] = []
         try:
             # Every worker is placed before any loads: each then knows how many of this
-            # engine's workers share its node (threads, KV memory).
+            # engine's ranks share its node (threads, KV memory).
             while True:
-                ready, pending = ray.wait([s.ready_ref for s in self.slots], num_returns=len(self.slots), timeout=1.0)
+                refs = [r.ready_ref for r in self._ranks()]
+                ready, pending = ray.wait(refs, num_returns=len(refs), timeout=1.0)
                 now = time.monotonic()
                 if not pending:
                     break
+                stuck = [s for s in self.slots if any(r.ready_ref in pending for r in s.ranks)]
                 if now > deadline:
-                    raise RuntimeError(self._placement_message(next(s for s in self.slots if s.ready_ref in pending), now))
-                for slot in self.slots:
-                    if slot.ready_ref in pending and not slot.placement_reported and now - slot.created_at > c.placement_report_s:
+                    raise RuntimeError(self._placement_message(stuck[0], now))
+                for slot in stuck:
+                    if not slot.placement_reported and now - slot.created_at > c.placement_report_s:
                         slot.placement_reported = True
                         logger.warning(self._placement_message(slot, now))
-            for slot in self.slots:  # where every one landed, then the loads
-                self._note_placement(slot, self._where(slot))
+            for slot in self.slots:  # where every rank landed, then the loads
+                for rank in slot.ranks:
+                    self._note_placement(rank, self._where(slot, rank))
             for slot in self.slots:
                 self._load(slot)
             while len(loaded) < c.num_workers:
@@ -183,11 +263,7 @@ class WorkerPool:
                     self._advance(slot, raise_errors=True)
                     if slot.info is not None:
                         loaded.append(slot)
-                for slot in self.slots:
-                    if not slot.placed and not slot.placement_reported and now - slot.created_at > c.placement_report_s:
-                        slot.placement_reported = True
-                        logger.warning(self._placement_message(slot, now))
-                pending = [s.ready_ref if not s.placed else s.load_ref for s in self.slots if s not in loaded]
+                pending = [ref for s in self.slots if s not in loaded for ref in s.waiting_refs()]
                 if pending:
                     ray.wait(pending, num_returns=1, timeout=min(1.0, max(0.01, deadline - now)))
         except BaseException:
@@ -224,32 +300,62 @@ class WorkerPool:
         return loaded
 
     def _advance(self, slot: WorkerSlot, raise_errors: bool) -> None:
-        """One non-blocking look at a starting worker: placed? loaded?"""
+        """One non-blocking look at a starting worker: placed (every rank)? loaded
+        (every rank)?"""
         if not slot.placed:
-            ready, _ = ray.wait([slot.ready_ref], timeout=0)
-            if not ready:
+            unplaced = [r for r in slot.ranks if not r.placed]
+            ready, _ = ray.wait([r.ready_ref for r in unplaced], num_returns=len(unplaced), timeout=0)
+            try:
+                for rank in unplaced:
+                    if rank.ready_ref in ready:
+                        self._note_placement(rank, self._where(slot, rank))
+            except _StartFailed as exc:
+                if raise_errors:
+                    raise RuntimeError(str(exc)) from None
+                raise
+            if not slot.placed:
                 return
-            self._note_placement(slot, self._where(slot))
             self._load(slot)
-        if slot.load_ref is None:
+        loading = [r for r in slot.ranks if r.load_ref is not None]
+        if not loading:
             return
-        ready, _ = ray.wait([slot.load_ref], timeout=0)
-        if not ready:
+        ready, _ = ray.wait([r.load_ref for r in loading], num_returns=len(loading), timeout=0)
+        for rank in loading:
+            if rank.load_ref not in ready:
+                continue
+            try:
+                rank.info = decode_info(ray.get(rank.load_ref, timeout=self.config.ray_call_timeout_s))
+            except RayTaskError as exc:
+                if raise_errors:
+                    raise ModelLoadError(f"a worker could not load the model: {exc.cause}") from None
+                raise _StartFailed(f"could not load the model: {exc.cause}") from None
+            except (RayError, GetTimeoutError) as exc:
+                if raise_errors:
+                    raise RuntimeError(f"worker {slot.index} died while loading the model ({type(exc).__name__})") from None
+                raise _StartFailed(f"died while loading the model ({type(exc).__name__})") from None
+            rank.load_ref = None
+        if any(r.info is None for r in slot.ranks):
             return
-        try:
-            info = decode_info(ray.get(slot.load_ref, timeout=self.config.ray_call_timeout_s))
-        except RayTaskError as exc:
-            if raise_errors:
-                raise ModelLoadError(f"a worker could not load the model: {exc.cause}") from None
-            raise _StartFailed(f"could not load the model: {exc.cause}") from None
-        except (RayError, GetTimeoutError) as exc:
-            if raise_errors:
-                raise RuntimeError(f"worker {slot.index} died while loading the model ({type(exc).__name__})") from None
-            raise _StartFailed(f"died while loading the model ({type(exc).__name__})") from None
-        slot.load_ref = None
+        info = slot.ranks[slot.leader].info
+        if len(slot.ranks) > 1:
+            # The driver keeps one block table per group: the smallest pool bounds it.
+            info = msgspec.structs.replace(info, num_kv_blocks=min(r.info.num_kv_blocks for r in slot.ranks))
+            try:
+                self._connect_group(slot)
+            except (RayError, GetTimeoutError) as exc:
+                if raise_errors:
+                    raise RuntimeError(f"worker {slot.index}: its ranks could not be connected ({exc!r})") from None
+                raise _StartFailed(f"its ranks could not be connected ({type(exc).__name__})") from None
         if self.config.step_channel:
             self.open_channel(slot)
         slot.info = info
+
+    def _connect_group(self, slot: WorkerSlot) -> None:
+        """The leader's channels to its followers (each follower opens one)."""
+        followers = [r for i, r in enumerate(slot.ranks) if i != slot.leader]
+        timeout = self.config.ray_call_timeout_s
+        addresses = ray.get([r.actor.open_group_channel.remote() for r in followers], timeout=timeout)
+        ray.get(slot.actor.connect_group.remote(addresses, self.config.distributed_timeout_s), timeout=timeout)
 
     def open_channel(self, slot: WorkerSlot) -> None:
         """Connects ``slot``'s step channel (a new one: whatever the old one still held
@@ -261,26 +367,49 @@ class WorkerPool:
         except Exception as exc:  # e.g. a port the engine's node cannot reach
             logger.warning("worker %d: no step channel (%r); its steps go as Ray calls", slot.index, exc)
 
-    def _where(self, slot: WorkerSlot) -> dict[str, Any]:
+    def _where(self, slot: WorkerSlot, rank: Rank) -> dict[str, Any]:
         try:
-            return ray.get(slot.ready_ref, timeout=self.config.ray_call_timeout_s)
+            return ray.get(rank.ready_ref, timeout=self.config.ray_call_timeout_s)
         except (RayError, GetTimeoutError) as exc:
             raise _StartFailed(f"worker {slot.index} died before it started ({type(exc).__name__})") from None
 
     @staticmethod
-    def _note_placement(slot: WorkerSlot, where: dict[str, Any]) -> None:
-        slot.node_id, slot.pid = where["node_id"], where.get("pid")
-        slot.node_cpus, slot.node_memory = max(1, int(where["cpus"])), int(where.get("memory") or 0)
+    def _note_placement(rank: Rank, where: dict[str, Any]) -> None:
+        rank.node_id, rank.pid = where["node_id"], where.get("pid")
+        rank.node_cpus, rank.node_memory = max(1, int(where["cpus"])), int(where.get("memory") or 0)
 
     def _load(self, slot: WorkerSlot) -> None:
-        """Sends a placed worker its configuration (threads and KV memory sized for its
-        node) and starts the model load."""
-        slot.num_threads = self._threads_for(slot)
-        config = msgspec.structs.replace(
-            self._worker_config, worker_num_threads=slot.num_threads, kv_cache_memory_bytes=self._kv_bytes_for(slot)
-        )
-        slot.load_ref = slot.actor.load.remote(msgspec.msgpack.encode(config))
-        self._rebalance_threads(slot.node_id, exclude=slot)
+        """Sends a placed worker's ranks their configuration (threads and KV memory
+        sized for their node; for a group, each rank's place in it) and starts the
+        model loads."""
+        ranks = slot.ranks
+        group = [None] * len(ranks)
+        if len(ranks) > 1:
+            group = self._group_ranks(slot)
+        for rank, where in zip(ranks, group):
+            rank.num_threads = self._threads_for(rank)
+            config = msgspec.structs.replace(
+                self._worker_config, worker_num_threads=rank.num_threads, kv_cache_memory_bytes=self._kv_bytes_for(rank)
+            )
+            rank.load_ref = rank.actor.load.remote(msgspec.msgpack.encode(config),
+                                                   None if where is None else msgspec.msgpack.encode(where))
+        for node in {r.node_id for r in ranks}:
+            self._rebalance_threads(node, exclude=ranks)
+
+    def _group_ranks(self, slot: WorkerSlot) -> list[GroupRank]:
+        """Each rank's ``GroupRank``: the rendezvous at rank 0, and a shared-memory
+        segment for each stage whose tensor ranks share a node (CPU workers)."""
+        c = self.config
+        init = ray.get(slot.ranks[0].actor.rendezvous_address.remote(), timeout=c.ray_call_timeout_s)
+        tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
+        tag = uuid.uuid4().hex[:12]
+        shm: dict[int, str | None] = {}
+        for stage in range(pp):
+            nodes = {slot.ranks[stage * tp + t].node_id for t in range(tp)}
+            cpu = not self._resources["num_gpus"]
+            shm[stage] = f"/dev/shm/raydecode-tp-{tag}-{stage}" if tp > 1 and cpu and len(nodes) == 1 else None
+        return [GroupRank(rank=i, world_size=tp * pp, init_method=init, shm_path=shm[i // tp],
+                          timeout_s=c.distributed_timeout_s) for i in range(len(slot.ranks))]
 
     def activated(self, slot: WorkerSlot) -> None:
         """The engine made ``slot`` live: starts count as succeeding again."""
@@ -288,32 +417,35 @@ class WorkerPool:
 
     # -- sizes ----------------------------------------------------------------------
 
-    def _kv_bytes_for(self, slot: WorkerSlot) -> int | None:
-        """A worker's KV budget: the configured bytes; on a GPU None (the worker sizes
+    def _sharing(self, node_id: str | None) -> int:
+        """This engine's ranks on a node."""
+        return sum(1 for r in self._ranks() if r.node_id == node_id)
+
+    def _kv_bytes_for(self, rank: Rank) -> int | None:
+        """A rank's KV budget: the configured bytes; on a GPU None (the worker sizes
         it from gpu_memory_utilization); on CPU its share of ``cpu_kv_cache_fraction``
-        of its node's RAM, split among this engine's workers there (so two workers on
+        of its node's RAM, split among this engine's ranks there (so two workers on
         one host do not each take a quarter of it)."""
         c = self.config
         if c.kv_cache_memory_bytes is not None:
             return c.kv_cache_memory_bytes
-        if self._resources["num_gpus"] or not slot.node_memory:
+        if self._resources["num_gpus"] or not rank.node_memory:
             return None
-        sharing = sum(1 for s in self.slots if s.node_id == slot.node_id)
-        return max(1, int(slot.node_memory * c.cpu_kv_cache_fraction / max(1, sharing)))
+        return max(1, int(rank.node_memory * c.cpu_kv_cache_fraction / max(1, self._sharing(rank.node_id))))
 
-    def _threads_for(self, slot: WorkerSlot) -> int:
+    def _threads_for(self, rank: Rank) -> int:
         c = self.config
         if c.worker_num_threads is not None:
             return c.worker_num_threads
         if c.worker_num_cpus is not None and c.worker_num_cpus >= 1:
             return int(c.worker_num_cpus)
-        sharing = sum(1 for s in self.slots if s.node_id == slot.node_id)
-        return max(1, slot.node_cpus // max(1, sharing))
+        return max(1, rank.node_cpus // max(1, self._sharing(rank.node_id)))
 
-    def _rebalance_threads(self, node_id: str | None, exclude: WorkerSlot | None = None) -> None:
-        """The workers on ``node_id`` split its cores again (one arrived or left)."""
-        for other in self.slots:
-            if other is exclude or other.node_id != node_id or other.node_id is None:
+    def _rebalance_threads(self, node_id: str | None, exclude: list[Rank] | None = None) -> None:
+        """The ranks on ``node_id`` split its cores again (one arrived or left)."""
+        skip = {id(r) for r in exclude or []}
+        for other in self._ranks():
+            if id(other) in skip or other.node_id != node_id or other.node_id is None:
                 continue
             threads = self._threads_for(other)
             if threads != other.num_threads:
@@ -324,8 +456,8 @@ class WorkerPool:
     # -- losing ---------------------------------------------------------------------
 
     def lost(self, slot: WorkerSlot, reason: str) -> None:
-        """A live worker died, hung or could not be reset: it is stopped and a
-        replacement starts at once."""
+        """A live worker died, hung or could not be reset: it is stopped (every rank of
+        it) and a replacement starts at once."""
         self._drop(slot, reason, start_failed=False)
 
     def _drop(self, slot: WorkerSlot, reason: str, start_failed: bool) -> None:
@@ -333,10 +465,11 @@ class WorkerPool:
         self.last_error = reason
         logger.warning("%s", reason)
         close_channel(slot)
-        _kill(slot.actor)
+        _stop(slot)
         if slot in self.slots:
             self.slots.remove(slot)
-        self._rebalance_threads(slot.node_id)
+        for node in {r.node_id for r in slot.ranks}:
+            self._rebalance_threads(node)
         if start_failed:
             self._start_failures += 1
             delay = min(self.config.worker_restart_backoff_max_s, 2.0 ** (self._start_failures - 1))
@@ -347,22 +480,24 @@ class WorkerPool:
     def shutdown(self) -> None:
         for slot in self.slots:
             close_channel(slot)
-            _kill(slot.actor)
+            _stop(slot)
         self.slots = []
 
     # -- reporting ------------------------------------------------------------------
 
     def _placement_message(self, slot: WorkerSlot, now: float) -> str:
-        asked = {"CPU": slot.resources["num_cpus"], "GPU": slot.resources["num_gpus"], **slot.resources["resources"]}
-        asked = {k: v for k, v in asked.items() if v}
+        asked = self.bundle()
         try:
             available, total = ray.available_resources(), ray.cluster_resources()
         except Exception:  # the cluster itself is gone
             available, total = {}, {}
         keys = sorted(set(asked) | {"CPU", "GPU"})
+        n = len(slot.ranks)
+        what = f"it asks for {asked}" if n == 1 else (
+            f"its {n} ranks ask for {asked} each ({self.config.placement_group_strategy} placement group)")
         return (
-            f"worker {slot.index} has not been placed for {now - slot.created_at:.0f} s: it asks for "
-            f"{asked}; the cluster has {_pick(available, keys)} available of {_pick(total, keys)} "
+            f"worker {slot.index} has not been placed for {now - slot.created_at:.0f} s: {what}; "
+            f"the cluster has {_pick(available, keys)} available of {_pick(total, keys)} "
             "(free some, or lower worker_num_cpus / worker_num_gpus / worker_resources)"
         )
 
@@ -379,6 +514,19 @@ def close_channel(slot: WorkerSlot) -> None:
     if slot.channel is not None:
         slot.channel.close()
         slot.channel = None
+
+
+def _stop(slot: WorkerSlot) -> None:
+    """Kills every rank of ``slot`` and frees its placement group."""
+    for rank in slot.ranks:
+        _kill(rank.actor)
+    if slot.placement_group is not None:
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(slot.placement_group)
+        except Exception:  # Ray itself is gone
+            pass
 
 
 def _kill(actor: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from sampler.config import DEFAULT_MAX_LOGPROBS, LogprobsMode, SamplerConfig, check_logprobs_options
+from worker.runner.parallel_layout import parse_partition
 
 
 def is_int(value: object) -> bool:
@@ -59,6 +60,18 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     #: let transformers run the model repository's own code
     trust_remote_code: bool = False
+    # -- model parallelism (one replica as a group of Ray actors) -----------------
+    #: tensor-parallel ranks per replica: each holds a slice of every layer's heads and
+    #: MLP and of the vocabulary (two all-reduces per layer); the heads must divide
+    tensor_parallel_size: int = 1
+    #: pipeline stages per replica: each holds a run of the layers
+    pipeline_parallel_size: int = 1
+    #: layers per pipeline stage, comma-separated (vLLM's VLLM_PP_LAYER_PARTITION);
+    #: None: even, the leftovers to the earlier stages
+    pipeline_layer_partition: str | None = None
+    #: seconds a collective (all-reduce, stage hand-off) waits for the group's other
+    #: ranks before the step fails (and the group is replaced)
+    distributed_timeout_s: float = 60.0
     # -- the batch and the KV pool ------------------------------------------------
     #: rows per worker (the worker may allow fewer when its KV budget is smaller)
     max_num_seqs: int = 64
@@ -127,7 +140,16 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     cpu_fused_decoder: bool = True
 
     def __post_init__(self) -> None:
-        check_positive(self, "max_num_seqs", "kv_block_size", "ngram_min", "ngram_max")
+        check_positive(self, "max_num_seqs", "kv_block_size", "ngram_min", "ngram_max", "tensor_parallel_size",
+                       "pipeline_parallel_size")
+        parse_partition(self.pipeline_layer_partition)
+        if self.pipeline_layer_partition is not None:
+            stages = len(parse_partition(self.pipeline_layer_partition) or [])
+            require(stages == self.pipeline_parallel_size, "pipeline_layer_partition",
+                    f"{self.pipeline_parallel_size} layer counts (one per pipeline stage)", self.pipeline_layer_partition)
+        require(not isinstance(self.distributed_timeout_s, bool) and isinstance(self.distributed_timeout_s, (int, float))
+                and self.distributed_timeout_s > 0, "distributed_timeout_s", "a positive number of seconds",
+                self.distributed_timeout_s)
         check_positive(self, "kv_cache_tokens", "kv_cache_memory_bytes", "worker_num_threads", optional=True)
         if self.max_model_len is not None:
             require(is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
@@ -140,6 +162,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         require(self.ngram_min <= self.ngram_max, "ngram_min", f"<= ngram_max ({self.ngram_max})", self.ngram_min)
         require(is_int(self.seed), "seed", "an integer", self.seed)
         check_logprobs_options(self.max_logprobs, self.logprobs_mode)
+
+    @property
+    def group_size(self) -> int:
+        """Ranks (Ray actors) per replica: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def sampler_config(self, vocab_size: int) -> SamplerConfig:
         """The sampler's and the logits processors' configuration, for a model of

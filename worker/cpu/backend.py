@@ -22,9 +22,10 @@ from worker.runner.backend import Backend
 
 if TYPE_CHECKING:
     from worker.config import WorkerConfig
+    from worker.runner.parallel_group import ParallelGroup
 
 
-def prepare_cpu_backend(model: nn.Module, config: WorkerConfig) -> Backend:
+def prepare_cpu_backend(model: nn.Module, config: WorkerConfig, group: ParallelGroup | None = None) -> Backend:
     wants_kernels = config.cpu_fused_decoder or config.cpu_attention_kernel or (
         config.cpu_packed_linear and config.cpu_panel_linear)
     ops = load_kernels() if wants_kernels else None
@@ -38,6 +39,6 @@ def prepare_cpu_backend(model: nn.Module, config: WorkerConfig) -> Backend:
     kernel = CpuPagedKernel(ops) if ops is not None and config.cpu_attention_kernel else None
     return Backend(
         attention_kernel=kernel,
-        decoder=FusedDecoder(model, ops) if fused else None,
+        decoder=FusedDecoder(model, ops, group) if fused else None,
         num_packed_linear=packed,
     )

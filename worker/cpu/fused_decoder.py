@@ -48,6 +48,7 @@ from worker.cpu.packed_linear import LinearSlice, PackedLinear, PanelLinear, mer
 
 if TYPE_CHECKING:
     from worker.runner.attention_plan import AttentionPlan
+    from worker.runner.parallel_group import ParallelGroup
 
 logger = logging.getLogger("raydecode")
 
@@ -110,13 +111,21 @@ class FusedLayer:
 class FusedDecoder:
     """Runs ``model``'s decoder stack and LM head for one step's packed tokens."""
 
-    def __init__(self, model: nn.Module, ops: Any) -> None:
+    def __init__(self, model: nn.Module, ops: Any, group: ParallelGroup | None = None) -> None:
+        """``group``: the model is one rank's shard (``worker/runner/sharded_loader.py``):
+        the row-parallel projections' partial sums are all-reduced, the LM head's
+        vocabulary slices gathered, and a stage that is not the last returns its hidden
+        states instead of logits."""
         self.ops = ops
+        self.group = group
+        self.last_stage = group is None or group.layout.last_stage
+        self.vocab_size = int(model.config.vocab_size)
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb
-        self.final_norm = inner.norm.weight.detach()
-        self.final_eps = float(inner.norm.variance_epsilon)
+        if self.last_stage:
+            self.final_norm = inner.norm.weight.detach()
+            self.final_eps = float(inner.norm.variance_epsilon)
         self.lm_head = model.lm_head
         self.layers = [self._layer(layer, model.config) for layer in inner.layers]
 
@@ -150,11 +159,19 @@ class FusedDecoder:
         self.ops.silu_mul(act, gate, up)
         return linear(act, layer.down_proj)
 
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the tensor ranks of a row-parallel projection's output."""
+        return x if self.group is None else self.group.all_reduce(x)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
-                logits_rows: torch.Tensor) -> torch.Tensor:
+                logits_rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """``input_ids``, ``position_ids`` ``[T]``; the logits ``[len(logits_rows),
-        vocab]`` of the packed positions ``logits_rows``."""
-        h = self.embed_tokens(input_ids)  # [T, hidden]: the residual stream, updated in place
+        vocab]`` of the packed positions ``logits_rows``. A pipeline stage after the
+        first passes the previous stage's ``hidden`` states ``[T, hidden]``; one before
+        the last returns its own; in a tensor-parallel stage only tensor rank 0 gets
+        the logits (the others None)."""
+        # [T, hidden]: the residual stream, updated in place
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary_emb(h, position_ids.unsqueeze(0))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tokens = h.shape[0]
@@ -169,11 +186,15 @@ class FusedDecoder:
             q, k, v = projections(x, layer.qkv, layer.qkv_sizes)
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
             a = plan.attend(q.view(tokens, -1, head_dim), index, layer.scaling, layer.sliding_window, None)
-            x = self.rms_norm(linear(a.reshape(tokens, -1), layer.o_proj), layer.post_norm, layer.post_eps, residual=h)
-            out = self.mlp(x, layer)
+            attn_out = self.reduce(linear(a.reshape(tokens, -1), layer.o_proj))
+            x = self.rms_norm(attn_out, layer.post_norm, layer.post_eps, residual=h)
+            out = self.reduce(self.mlp(x, layer))
         h.add_(out)
+        if not self.last_stage:
+            return h
         last = self.rms_norm(h.index_select(0, logits_rows), self.final_norm, self.final_eps)
-        return linear(last, self.lm_head)
+        logits = linear(last, self.lm_head)
+        return logits if self.group is None else self.group.gather_logits(logits, self.vocab_size)
 
 
 def _sliding_window(attn: nn.Module, config: Any) -> int | None:

@@ -18,6 +18,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from worker.runner.attention_plan import AttentionPlan, PagedKernel
+    from worker.runner.parallel_group import ParallelGroup
     from worker.config import WorkerConfig
 
 
@@ -39,16 +40,18 @@ class Backend:
     num_packed_linear: int = 0
 
 
-def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig) -> Backend:
+def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig,
+                   group: ParallelGroup | None = None) -> Backend:
     """Prepares ``model`` for its device (this may repack its weights) and returns how
     its steps run: on CPU the CPU backend; elsewhere the transformers forward with
     attention through FlexAttention (``flex_attention``, on by default off the CPU) or
-    the torch path."""
+    the torch path. ``group``: the model is one rank's shard (the fused decoder reduces
+    and gathers through it)."""
     backend = Backend()
     if device.type == "cpu":
         from worker.cpu.backend import prepare_cpu_backend
 
-        backend = prepare_cpu_backend(model, config)
+        backend = prepare_cpu_backend(model, config, group)
     flex = config.flex_attention if config.flex_attention is not None else device.type != "cpu"
     if flex:
         from worker.runner.flex_attention import FlexPagedAttention

@@ -116,7 +116,7 @@ def load_model(
 
     dev = choose_device(device)
     torch_dtype = choose_dtype(dev, dtype)
-    path, name, kwargs = _resolve(model, trust_remote_code)
+    path, name, kwargs = resolve_model(model, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -136,12 +136,18 @@ def load_model(
     except OSError as exc:
         raise ModelLoadError(f"cannot load {name}: {exc}") from None
     hf_model.to(dev).eval()
-    tokenizer = _tokenizer(path, name, kwargs)
+    vocab = hf_model.get_output_embeddings().weight.shape[0]
+    return finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len)
 
+
+def finish_loading(hf_model: torch.nn.Module, config: Any, path: str, name: str, kwargs: dict[str, Any],
+                   dev: torch.device, torch_dtype: torch.dtype, vocab: int, max_model_len: int | None) -> LoadedModel:
+    """A loaded model with its tokenizer, EOS ids and length limit (``vocab``: the
+    width of its logits)."""
+    tokenizer = _tokenizer(path, name, kwargs)
     eos = _eos_token_ids(hf_model, tokenizer)
     if not eos:
         raise ModelLoadError(f"{name}: neither the tokenizer nor the generation config names an EOS token")
-    vocab = hf_model.get_output_embeddings().weight.shape[0]
     limit = getattr(config, "max_position_embeddings", None) or 2048
     if max_model_len is None:
         max_model_len = min(limit, 4096)
@@ -150,7 +156,7 @@ def load_model(
     return LoadedModel(hf_model, tokenizer, name, dev, torch_dtype, vocab, eos, max_model_len)
 
 
-def _resolve(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
+def resolve_model(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
     """(folder to load from, display name, from_pretrained keyword arguments)."""
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if model is None:
@@ -178,7 +184,7 @@ def _tokenizer(path: str, name: str, kwargs: dict[str, Any]) -> Any:
 def load_tokenizer(model: str | None = None, trust_remote_code: bool = False) -> tuple[Any, str]:
     """The model's tokenizer and display name, resolved exactly as ``load_model`` does
     (the driver detokenizes with it)."""
-    path, name, kwargs = _resolve(model, trust_remote_code)
+    path, name, kwargs = resolve_model(model, trust_remote_code)
     return _tokenizer(path, name, kwargs), name
 
 

@@ -34,6 +34,9 @@ from worker.runner.input_batch import NO_LOGPROBS, InputBatch
 from worker.runner.kv_pool import PagedKVCache
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
 from worker.runner.ngram_proposer import NgramProposer
+from worker.runner.parallel_group import ParallelGroup, install_tensor_parallel_hooks
+from worker.runner.parallel_layout import RankLayout
+from worker.runner.sharded_loader import load_model_shard
 from worker.config import WorkerConfig
 from worker.transport.protocol import (
     PROTOCOL_VERSION,
@@ -54,13 +57,19 @@ NONFINITE = "the logits became NaN or infinite under this request's parameters (
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, group_rank: GroupRank | None = None) -> None:
+        """``group_rank``: this runner is one rank of a model-parallel group
+        (``config.group_size`` > 1): it loads its shard and joins the group's
+        collectives; only the leader samples."""
         self.config = config
         torch.manual_seed(config.seed)
-        self.loaded = self._load_model(config)
+        self.loaded, self.layout = self._load_model(config, group_rank)
         self.model, self.device = self.loaded.model, self.loaded.device
         self.max_model_len = self.loaded.max_model_len
-        self.backend = choose_backend(self.model, self.device, config)
+        self.group = self._join_group(group_rank)
+        #: samples and replies (False: a follower rank, which takes the leader's tokens)
+        self.samples = self.layout is None or self.layout.is_leader
+        self.backend = choose_backend(self.model, self.device, config, self.group)
         self.kv = self._allocate_kv_pool(config)
         self.graphs = self._decode_graphs(config)
         self.sampler_config = config.sampler_config(self.loaded.vocab_size)
@@ -76,24 +85,42 @@ class ModelRunner:
         self.timings = StepTimings()
         self.info = self._worker_info()
         self._probe_attention()
+        if self.group is not None and self.backend.decoder is None:
+            install_tensor_parallel_hooks(self.model, self.group)  # after the probe: it runs alone
 
     # -- the steps of loading ---------------------------------------------------------
 
     @staticmethod
-    def _load_model(config: WorkerConfig) -> LoadedModel:
-        """The model through transformers, its attention the paged one (refused at once,
-        naming the feature, when it needs one the paged path does not implement)."""
+    def _load_model(config: WorkerConfig, group_rank: GroupRank | None) -> tuple[LoadedModel, RankLayout | None]:
+        """The model (or this rank's shard of it) through transformers, its attention
+        the paged one (refused at once, naming the feature, when it needs one the paged
+        path does not implement)."""
         register_paged_attention()
-        loaded = load_model(
-            config.model, device=config.device, dtype=config.dtype,
-            attn_implementation=ATTENTION_NAME, max_model_len=config.max_model_len,
-            trust_remote_code=config.trust_remote_code,
-        )
+        layout = None
+        options = dict(device=config.device, dtype=config.dtype, attn_implementation=ATTENTION_NAME,
+                       max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
+        if group_rank is None:
+            if config.group_size > 1:
+                raise ModelLoadError("a model-parallel worker needs its rank in the group (GroupRank)")
+            loaded = load_model(config.model, **options)
+        else:
+            loaded, layout = load_model_shard(
+                config.model, tensor_parallel_size=config.tensor_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size, rank=group_rank.rank,
+                pipeline_layer_partition=config.pipeline_layer_partition, **options,
+            )
         try:
             check_attention_features(loaded.model.config)
         except UnsupportedAttention as exc:
             raise ModelLoadError(f"{loaded.name}: {exc}") from None
-        return loaded
+        return loaded, layout
+
+    def _join_group(self, group_rank: GroupRank | None) -> ParallelGroup | None:
+        """The group's collectives (after the load: a rank that fails to load leaves
+        the others waiting here at most ``timeout_s``)."""
+        if group_rank is None:
+            return None
+        return ParallelGroup(group_rank, self.layout, self.device)
 
     def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
         """The KV pool, sized from what memory is left after the model (and logged)."""
@@ -115,7 +142,7 @@ class ModelRunner:
     def _wants_graphs(self, config: WorkerConfig) -> bool:
         from worker.runner.flex_attention import FlexPagedAttention
 
-        return (config.cuda_graphs and self.backend.decoder is None
+        return (config.cuda_graphs and self.backend.decoder is None and self.group is None
                 and isinstance(self.backend.attention_kernel, FlexPagedAttention))
 
     def _decode_graphs(self, config: WorkerConfig) -> DecodeGraphs | None:
@@ -237,14 +264,21 @@ class ModelRunner:
         t2 = time.perf_counter()
 
         num_sample_logits = int(s_width.sum())
-        prompt_reply = self._prompt_logprobs(prompt_chunks, logits[num_sample_logits:])
-        emitted, lp, failed = self._sample(
-            logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width
-        )
+        prompt_reply, lp, failed = {}, None, []
+        if self.samples:
+            prompt_reply = self._prompt_logprobs(prompt_chunks, logits[num_sample_logits:])
+            try:
+                emitted, lp, failed = self._sample(logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width)
+            except LogitsProcessorError:
+                if self.group is not None:
+                    self._share_tokens(None, set(), s_rows, s_width)
+                raise
+        failed_rows = {f.row for f in failed}
+        if self.group is not None:
+            emitted, failed_rows = self._share_tokens(emitted if self.samples else None, failed_rows, s_rows, s_width)
         t3 = time.perf_counter()
         # Bookkeeping: cache lengths (past rejected drafts: they are simply overwritten
         # later) and the rows' tokens.
-        failed_rows = {f.row for f in failed}
         batch.num_computed[rows] = computed + count - num_drafts
         num_sampled = np.zeros(n, dtype=np.int32)
         accepted = np.zeros(n, dtype=np.int32)
@@ -283,15 +317,62 @@ class ModelRunner:
 
     # -- the parts --------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor | None:
         """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
-        tokens ``input_ids`` (at the plan's positions)."""
+        tokens ``input_ids`` (at the plan's positions); None on a rank of a group that
+        does not hold them."""
+        if self.group is not None:
+            return self._forward_shard(input_ids, plan, keep)
         if self.backend.decoder is not None:
             return self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep)
         return self.model(
             input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
             use_cache=False, logits_to_keep=keep, attention_plan=plan,
         ).logits[0]
+
+    def _forward_shard(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor | None:
+        """A rank's part of the forward: after the first stage the hidden states come
+        from the previous stage; before the last they go to the next one; on the last,
+        tensor rank 0 gathers the vocabulary slices into the logits."""
+        group, layout = self.group, self.layout
+        hidden = None
+        if not layout.first_stage:
+            hidden = group.recv_hidden(len(input_ids), self.model.config.hidden_size, self.loaded.dtype)
+        if self.backend.decoder is not None:
+            out = self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep, hidden=hidden)
+        else:
+            out = self.model.model(
+                input_ids=input_ids.unsqueeze(0) if hidden is None else None,
+                inputs_embeds=None if hidden is None else hidden.unsqueeze(0),
+                position_ids=plan.token_positions.unsqueeze(0), use_cache=False, attention_plan=plan,
+            ).last_hidden_state[0]
+            if layout.last_stage:
+                out = group.gather_logits(self.model.lm_head(out.index_select(0, keep)), self.loaded.vocab_size)
+        if not layout.last_stage:
+            group.send_hidden(out)
+            return None
+        return out
+
+    def _share_tokens(self, emitted: list[list[int]] | None, failed: set[int], s_rows: np.ndarray,
+                      width: np.ndarray) -> tuple[list[list[int]], set[int]]:
+        """The leader's emitted tokens per sampling row (and the rows that failed) on
+        every rank of the group: one broadcast of a ``[rows, 1 + width]`` table (a count,
+        -1 for a failed row, -2 when the leader's sampling raised, then the tokens)."""
+        rows, cols = len(s_rows), 1 + (int(width.max()) if len(width) else 0)
+        grid = None
+        if emitted is not None:
+            grid = torch.zeros(rows, cols, dtype=torch.int32)
+            for i, (row, tokens) in enumerate(zip(s_rows.tolist(), emitted)):
+                grid[i, 0] = -1 if row in failed else len(tokens)
+                grid[i, 1 : 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        elif self.samples:  # the leader's sampling raised: the followers raise too
+            grid = torch.full((rows, cols), -2, dtype=torch.int32)
+        grid = self.group.share_tokens(grid, rows, cols).numpy()
+        if rows and (grid[:, 0] == -2).any():
+            raise LogitsProcessorError("a logits processor raised on the group's sampling rank")
+        counts = grid[:, 0]
+        out = [grid[i, 1 : 1 + max(0, int(c))].tolist() for i, c in enumerate(counts)]
+        return out, {int(r) for r, c in zip(s_rows.tolist(), counts) if c < 0}
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """n-gram drafts for decoding rows, written past each row's known tokens."""

@@ -15,6 +15,7 @@ thread (``worker/transport/compute_thread.py``), which also reads and answers th
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -26,11 +27,27 @@ import torch
 from worker.transport.compute_thread import ComputeThread
 from worker.config import WorkerConfig
 from worker.transport.protocol import Codec, WorkerInfo
-from worker.transport.step_channel import ChannelAddress, StepChannelServer, channel_host
+from worker.transport.step_channel import (
+    ChannelAddress,
+    StepChannel,
+    StepChannelServer,
+    StepFailed,
+    channel_host,
+    wait_ready,
+)
 
 
 class StaleStep(RuntimeError):
     """A step read from a step channel that a reset has closed since."""
+
+
+class GroupBroken(RuntimeError):
+    """A rank of this worker's model-parallel group failed or went away: the group
+    cannot step again (the driver replaces it whole)."""
+
+
+#: Frames the leader of a group sends its followers: a step message, or a reset.
+GROUP_STEP, GROUP_RESET = b"S", b"X"
 
 
 class Worker:
@@ -49,6 +66,10 @@ class Worker:
         self._channel: StepChannelServer | None = None
         #: bumped by each reset; a channel serves the generation it was opened in
         self._generation = 0
+        #: a group's leader: its channels to the group's other ranks
+        self._followers: list[StepChannel] = []
+        self._group_server: StepChannelServer | None = None  # a follower's, from its leader
+        self._broken: str | None = None  # why this group cannot step again
 
     def ready(self) -> dict[str, Any]:
         """Answers as soon as the actor runs: where it landed and how many cores that
@@ -62,22 +83,26 @@ class Worker:
         arrive or leave)."""
         self._run(torch.set_num_threads, max(1, int(num_threads)))
 
-    def load(self, config: bytes | WorkerConfig) -> bytes:
-        """Loads the model; ``config`` is a msgpack-encoded ``WorkerConfig``. Returns the
-        msgpack-encoded ``WorkerInfo``."""
-        return self._run(self._load, config)
+    def load(self, config: bytes | WorkerConfig, group_rank: bytes | None = None) -> bytes:
+        """Loads the model; ``config`` is a msgpack-encoded ``WorkerConfig``;
+        ``group_rank`` (a msgpack-encoded ``GroupRank``) makes this worker one rank of a
+        model-parallel group, loading its shard. Returns the msgpack-encoded
+        ``WorkerInfo``."""
+        return self._run(self._load, config, group_rank)
 
-    def _load(self, config: bytes | WorkerConfig) -> bytes:
+    def _load(self, config: bytes | WorkerConfig, group_rank: bytes | None = None) -> bytes:
         from worker.runner.model_runner import ModelRunner
+        from worker.transport.protocol import GroupRank
 
         if isinstance(config, (bytes, bytearray)):
             config = msgspec.msgpack.decode(config, type=WorkerConfig)
+        rank = msgspec.msgpack.decode(group_rank, type=GroupRank) if group_rank is not None else None
         threads = config.worker_num_threads or _assigned_cpus()
         if threads:
             # Ray starts actors with OMP_NUM_THREADS=num_cpus, but torch may have been
             # initialised before; say it explicitly.
             torch.set_num_threads(threads)
-        self._runner = ModelRunner(config)
+        self._runner = ModelRunner(config, rank)
         return msgspec.msgpack.encode(self._runner.info)
 
     def step(self, message: bytes) -> bytes:
@@ -87,9 +112,92 @@ class Worker:
         if self._runner is None:
             raise RuntimeError("step before load: call load(config) first")
         started = time.perf_counter()
-        reply = self._runner.execute(self._codec.decode_step(message), started)
+        step = self._codec.decode_step(message)
+        if self._followers:
+            return self._codec.encode(self._group_step(step, message, started))
+        reply = self._runner.execute(step, started)
         self._steps += 1
         return self._codec.encode(reply)
+
+    # -- a model-parallel group ---------------------------------------------------------
+
+    def rendezvous_address(self) -> str:
+        """``tcp://ip:port`` with a port free on this node now: where the group's ranks
+        meet (this worker is its rank 0)."""
+        host = channel_host()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def open_group_channel(self) -> ChannelAddress:
+        """A follower rank: the channel its leader forwards the group's frames on."""
+        if self._compute is None:
+            raise RuntimeError("a group's rank needs its compute thread")
+        if self._group_server is not None:
+            self._group_server.close()
+        self._group_server = StepChannelServer(
+            lambda conn: self._compute.attach(conn, self._group_frame), channel_host()
+        )
+        return self._group_server.address
+
+    def _group_frame(self, frame: bytes) -> bytes:
+        """A follower runs what its leader forwards (it replies an empty ack)."""
+        kind, body = frame[:1], frame[1:]
+        if kind == GROUP_STEP:
+            self._step(body)
+        elif kind == GROUP_RESET:
+            self._reset()
+        else:
+            raise ValueError(f"unknown group frame {kind!r}")
+        return b""
+
+    def connect_group(self, addresses: list[ChannelAddress], timeout_s: float = 60.0) -> None:
+        """The leader: connects to its followers' group channels."""
+        self._followers = [StepChannel(tuple(a), send_timeout_s=timeout_s) for a in addresses]  # type: ignore[arg-type]
+        self._group_timeout_s = timeout_s
+
+    def _group_step(self, step: Any, message: bytes, started: float) -> Any:
+        """The leader runs a decoded step with its followers: forwards the raw message,
+        runs its own part, then reads every follower's ack. Anything but a step that
+        does not fit the batch (``ProtocolError``, raised by every rank alike before
+        any collective) breaks the group."""
+        from worker.transport.protocol import ProtocolError
+
+        if self._broken:
+            raise GroupBroken(self._broken)
+        try:
+            for follower in self._followers:
+                follower.send(GROUP_STEP + message)
+        except Exception as exc:
+            self._broken = f"a rank of the group went away ({exc})"
+            raise GroupBroken(self._broken) from None
+        try:
+            reply = self._runner.execute(step, started)
+        except ProtocolError:
+            self._collect_acks(expect_errors=True)
+            raise
+        except Exception as exc:
+            self._broken = f"the group's step failed: {exc!r}"
+            raise GroupBroken(self._broken) from None
+        self._collect_acks()
+        self._steps += 1
+        return reply
+
+    def _collect_acks(self, expect_errors: bool = False) -> None:
+        for follower in self._followers:
+            try:
+                if not wait_ready([follower.connection], self._group_timeout_s):
+                    raise TimeoutError(f"no answer within {self._group_timeout_s} s")
+                follower.receive()
+            except StepFailed as exc:
+                if expect_errors:
+                    continue
+                self._broken = f"a rank of the group failed: {exc}"
+                raise GroupBroken(self._broken) from None
+            except Exception as exc:
+                self._broken = f"a rank of the group went away ({exc!r})"
+                raise GroupBroken(self._broken) from None
 
     def open_channel(self) -> ChannelAddress:
         """Opens a step channel for one engine to connect to (a channel opened before
@@ -146,6 +254,16 @@ class Worker:
 
     def _reset(self) -> None:
         self._generation += 1
+        if self._followers:
+            if self._broken:
+                raise GroupBroken(self._broken)
+            try:
+                for follower in self._followers:
+                    follower.send(GROUP_RESET)
+            except Exception as exc:
+                self._broken = f"a rank of the group went away ({exc})"
+                raise GroupBroken(self._broken) from None
+            self._collect_acks()
         if self._runner is not None:
             self._runner.reset()
 

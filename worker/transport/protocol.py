@@ -94,6 +94,21 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
 # -- driver -> worker ------------------------------------------------------------------
 
 
+class GroupRank(msgspec.Struct, kw_only=True, frozen=True):
+    """What the driver tells one rank of a group at load: who it is and where the
+    group meets."""
+
+    rank: int
+    world_size: int
+    #: ``tcp://host:port`` of rank 0's rendezvous store
+    init_method: str
+    #: a file under /dev/shm for the stage's shared-memory all-reduce (None: gloo);
+    #: the same name for every tensor rank of one stage, one per stage
+    shm_path: str | None = None
+    #: seconds any collective may wait for the other ranks
+    timeout_s: float = 60.0
+
+
 class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
     """A request placed into ``row``: new, or resumed with the output it already has
     (after preemption or a lost worker). The worker recomputes its cache from scratch."""

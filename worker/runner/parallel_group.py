@@ -1,0 +1,162 @@
+"""The collectives of one model-parallel group (``torch.distributed``).
+
+One process group spans the group's ranks (gloo on CPU, NCCL on CUDA, chosen from the
+device), with one tensor-parallel subgroup per pipeline stage. What a step needs:
+
+- ``all_reduce``: the partial sums of the row-parallel projections, twice per layer.
+  On CPU, when every rank of the stage is on one node, through a shared-memory segment
+  (``worker/cpu/shm_allreduce.py``: no sockets, no extra copies, spins then yields)
+  where it is available; gloo otherwise (and as the reference in tests);
+- ``gather_logits``: each tensor rank's slice of the vocabulary, concatenated on the
+  stage's tensor rank 0 (the leader, on the last stage);
+- ``send_hidden`` / ``recv_hidden``: the hidden states crossing a stage boundary, tensor
+  rank t of one stage to tensor rank t of the next;
+- ``share_tokens``: the leader's sampled tokens to every rank (each keeps its
+  persistent batch in step).
+
+Every collective is bounded by ``timeout_s`` (the process group's timeout; the shared
+segment checks a deadline while it waits), so the ranks left in a group whose rank died
+raise instead of hanging, and the driver replaces the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from worker.runner.parallel_layout import RankLayout, leader_rank
+from worker.transport.protocol import GroupRank
+
+logger = logging.getLogger("raydecode")
+
+
+class ParallelGroup:
+    """This rank's view of its group's collectives (built once, at load)."""
+
+    def __init__(self, rank: GroupRank, layout: RankLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.timeout_s = rank.timeout_s
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend, init_method=rank.init_method, rank=rank.rank, world_size=rank.world_size,
+            timeout=datetime.timedelta(seconds=rank.timeout_s),
+        )
+        self.backend = backend
+        self.leader = leader_rank(layout.tp_size, layout.pp_size)
+        # Every rank creates every stage's subgroup, in the same order (torch's rule).
+        self.tp_group = None
+        for stage in range(layout.pp_size):
+            ranks = layout.stage_ranks(stage)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=rank.timeout_s))
+            if stage == layout.pp_rank:
+                self.tp_group = group
+        self.shm = None
+        if rank.shm_path and layout.tp_size > 1 and device.type == "cpu":
+            self.shm = self._attach_shm(rank.shm_path)
+
+    def _attach_shm(self, path: str):
+        """The stage's shared segment; None (gloo serves) where the kernels are
+        missing. Every tensor rank attaches before tensor rank 0 unlinks the file, so
+        nothing is left in /dev/shm whatever happens later."""
+        try:
+            from worker.cpu.shm_allreduce import ShmAllReduce
+        except ImportError:
+            return None
+        usable = ShmAllReduce.available()
+        # All ranks of the stage agree (one of them without kernels: all use gloo).
+        flag = torch.tensor([1 if usable else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.tp_group)
+        if not int(flag.item()):
+            logger.warning("the shared-memory all-reduce is not available: gloo serves")
+            return None
+        shm = ShmAllReduce(path, self.layout.tp_rank, self.layout.tp_size, timeout_s=self.timeout_s)
+        dist.barrier(group=self.tp_group)
+        if self.layout.tp_rank == 0:
+            shm.unlink()
+        return shm
+
+    # -- tensor parallel ----------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` over the stage's tensor ranks, in place; returns it."""
+        if self.layout.tp_size == 1:
+            return x
+        if self.shm is not None and x.is_contiguous():
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """The full ``[rows, vocab_size]`` logits on tensor rank 0 from every rank's
+        ``[rows, vocab_shard]`` slice; None on the other ranks."""
+        if self.layout.tp_size == 1:
+            return local[:, :vocab_size]
+        local = local.contiguous()
+        ranks = self.layout.stage_ranks()
+        if self.layout.tp_rank == 0:
+            parts = [torch.empty_like(local) for _ in ranks]
+            dist.gather(local, parts, dst=ranks[0], group=self.tp_group)
+            return torch.cat(parts, dim=1)[:, :vocab_size]
+        dist.gather(local, None, dst=ranks[0], group=self.tp_group)
+        return None
+
+    # -- pipeline parallel ----------------------------------------------------------
+
+    def send_hidden(self, h: torch.Tensor) -> None:
+        """To the same tensor rank of the next stage."""
+        dist.send(h.contiguous(), dst=self.layout.rank + self.layout.tp_size)
+
+    def recv_hidden(self, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """From the same tensor rank of the previous stage."""
+        h = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
+        dist.recv(h, src=self.layout.rank - self.layout.tp_size)
+        return h
+
+    # -- the sampled tokens -----------------------------------------------------------
+
+    def share_tokens(self, grid: torch.Tensor | None, rows: int, width: int) -> torch.Tensor:
+        """The leader's ``[rows, width]`` int32 table of what each sampling row emitted,
+        on every rank (``grid`` is the leader's; the others pass None)."""
+        if grid is None:
+            grid = torch.empty(rows, width, dtype=torch.int32)
+        if self.layout.world_size > 1:
+            if self.backend == "nccl":
+                moved = grid.to(self.device)
+                dist.broadcast(moved, src=self.leader)
+                grid = moved.cpu()
+            else:
+                dist.broadcast(grid, src=self.leader)
+        return grid
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group: the process is going anyway
+                pass
+
+
+def install_tensor_parallel_hooks(model: torch.nn.Module, group: ParallelGroup) -> int:
+    """For the transformers forward of a shard: each layer's row-parallel projections
+    (``self_attn.o_proj``, ``mlp.down_proj``, whatever modules serve them now, packed
+    or not) all-reduce their output. Returns the number of hooks (none at TP 1)."""
+    if group.layout.tp_size == 1:
+        return 0
+
+    def reduce(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        return group.all_reduce(output)
+
+    hooks = 0
+    for layer in model.model.layers:
+        for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            module.register_forward_hook(reduce)
+            hooks += 1
+    return hooks

@@ -1,0 +1,268 @@
+"""Loading one rank's shard of a model (tensor and pipeline parallelism).
+
+The rank's model is the transformers model itself, built from a *local* config: the
+same architecture with this rank's share of the heads (``num_attention_heads``,
+``num_key_value_heads``), of the MLP (``intermediate_size``) and of the layers
+(``num_hidden_layers``, ``layer_types``). Its linear layers therefore have exactly the
+shard's shapes and the model's own forward runs on them unchanged: attention reshapes
+by ``head_dim`` and sees the rank's heads, ``o_proj`` and ``down_proj`` produce partial
+sums that the runner all-reduces. The LM head becomes a slice of the vocabulary
+(``RankLayout.vocab``; the runner gathers the slices on the leader) and is never tied to
+the embedding; a stage that is not the first gets no embedding table, one that is not
+the last no final norm and no LM head.
+
+Each tensor is read from the checkpoint's safetensors files as the slice the rank
+holds (``safe_open(...).get_slice``): a rank never has the whole model in memory.
+Checkpoints in another format (``.bin``, GGUF) are loaded whole once and sliced,
+which costs the whole model's memory while loading.
+
+Why not transformers' own ``tp_plan``: it shards through DTensor and hooks on every
+linear, needs ``torch.distributed`` set up by its launcher, and leaves linears the CPU
+backend cannot pack (``worker/cpu/packed_linear.py``) or fuse
+(``worker/cpu/fused_decoder.py``); plain local shapes keep both fast paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.runner.model_loader import (
+    LoadedModel,
+    ModelLoadError,
+    choose_device,
+    choose_dtype,
+    finish_loading,
+    resolve_model,
+)
+from worker.runner.parallel_layout import (
+    ModelShape,
+    ParallelSizeError,
+    RankLayout,
+    check_parallel_sizes,
+    parse_partition,
+    rank_layout,
+)
+
+#: model_type -> causal-LM class whose layers shard by the rules below (Llama-shaped:
+#: q/k/v/o projections, a gated MLP, RMSNorms).
+SHARDABLE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def local_config(config: Any, layout: RankLayout) -> Any:
+    """``config`` with this rank's share of heads, MLP columns and layers."""
+    local = copy.deepcopy(config)
+    shape = ModelShape.of(config)
+    local.head_dim = shape.head_dim
+    local.num_attention_heads = layout.q_heads[1] - layout.q_heads[0]
+    local.num_key_value_heads = layout.kv_heads[1] - layout.kv_heads[0]
+    local.intermediate_size = layout.intermediate[1] - layout.intermediate[0]
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        local.layer_types = list(types)[layout.first_layer : layout.first_layer + layout.num_layers]
+    local.num_hidden_layers = layout.num_layers
+    local.tie_word_embeddings = False
+    return local
+
+
+def shard_slice(key: str, layout: RankLayout, head_dim: int) -> tuple[str, Callable[[Any], torch.Tensor] | None]:
+    """For a key of the rank's model: the checkpoint key it comes from and how to cut
+    the rank's part out of it (a function of a safetensors slice or a tensor; None:
+    taken whole). ``o_proj`` and ``down_proj`` biases are kept by tensor rank 0 only
+    (the all-reduce would add them ``tp`` times)."""
+    m = _LAYER.match(key)
+    if m is None:
+        if key == "lm_head.weight":
+            a, b = layout.vocab
+            return key, lambda t: t[a:b]
+        return key, None
+    index, rest = int(m.group(1)), m.group(2)
+    source = f"model.layers.{index + layout.first_layer}.{rest}"
+    if layout.tp_size == 1:
+        return source, None
+    q0, q1 = (h * head_dim for h in layout.q_heads)
+    k0, k1 = (h * head_dim for h in layout.kv_heads)
+    i0, i1 = layout.intermediate
+    name, _, kind = rest.rpartition(".")
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "q_proj":
+        return source, lambda t: t[q0:q1]
+    if leaf in ("k_proj", "v_proj"):
+        return source, lambda t: t[k0:k1]
+    if leaf in ("gate_proj", "up_proj"):
+        return source, lambda t: t[i0:i1]
+    if leaf in ("o_proj", "down_proj"):
+        if kind == "bias":
+            return source, (None if layout.tp_rank == 0 else (lambda t: torch.zeros_like(t[:])))
+        c0, c1 = (q0, q1) if leaf == "o_proj" else (i0, i1)
+        return source, lambda t: t[:, c0:c1]
+    return source, None
+
+
+class CheckpointReader:
+    """The tensors of a checkpoint folder, read slice by slice from safetensors (or,
+    for other formats, from the whole model loaded once)."""
+
+    def __init__(self, path: str, name: str, kwargs: dict[str, Any]) -> None:
+        from safetensors import safe_open
+
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        self._whole: dict[str, torch.Tensor] | None = None
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index) and "gguf_file" not in kwargs:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            for key, file in weight_map.items():
+                self._where[key] = os.path.join(path, file)
+        elif os.path.isfile(single) and "gguf_file" not in kwargs:
+            with safe_open(single, framework="pt") as f:
+                self._where = {key: single for key in f.keys()}
+        else:  # .bin / GGUF: the whole model once
+            from transformers import AutoModelForCausalLM
+
+            try:
+                whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"cannot load {name}: {exc}") from None
+            self._whole = {k: v.detach() for k, v in whole.state_dict().items()}
+        self._safe_open = safe_open
+
+    def has(self, key: str) -> bool:
+        return key in (self._whole if self._whole is not None else self._where)
+
+    def read(self, key: str, cut: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+        if self._whole is not None:
+            tensor = self._whole[key]
+            return tensor if cut is None else cut(tensor)
+        file = self._where[key]
+        handle = self._files.get(file)
+        if handle is None:
+            handle = self._files[file] = self._safe_open(file, framework="pt")
+        if cut is None:
+            return handle.get_tensor(key)
+        return cut(handle.get_slice(key))
+
+    def close(self) -> None:
+        self._files.clear()
+        self._whole = None
+
+
+def load_model_shard(
+    model: str | None,
+    *,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    rank: int,
+    pipeline_layer_partition: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    attn_implementation: str | None = None,
+    max_model_len: int | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[LoadedModel, RankLayout]:
+    """Global rank ``rank``'s part of ``model`` (see the module docstring); its
+    ``vocab_size`` is the whole vocabulary (what the gathered logits hold)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    dev = choose_device(device)
+    torch_dtype = choose_dtype(dev, dtype)
+    path, name, kwargs = resolve_model(model, trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
+    family = SHARDABLE.get(getattr(config, "model_type", None))
+    if family is None or family not in (getattr(config, "architectures", None) or [family]):
+        raise ModelLoadError(
+            f"{name}: tensor and pipeline parallelism support {sorted(SHARDABLE.values())}, "
+            f"not {getattr(config, 'architectures', None) or config.model_type}"
+        )
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    try:
+        shape = check_parallel_sizes(config, tp, pp, pipeline_layer_partition)
+        layout = rank_layout(shape, tp, pp, rank, parse_partition(pipeline_layer_partition))
+    except ParallelSizeError as exc:
+        raise ModelLoadError(f"{name}: {exc}") from None
+    local = local_config(config, layout)
+    with no_init_weights():
+        hf_model = AutoModelForCausalLM.from_config(local, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                    trust_remote_code=trust_remote_code)
+    inner = hf_model.model
+    if not layout.first_stage:
+        inner.embed_tokens = nn.Embedding(1, shape.hidden_size, dtype=torch_dtype)  # unused: h arrives
+    if layout.last_stage:
+        hf_model.lm_head = nn.Linear(shape.hidden_size, layout.vocab_shard, bias=False, dtype=torch_dtype)
+    else:
+        inner.norm = nn.Identity()
+        hf_model.lm_head = nn.Identity()
+    reader = CheckpointReader(path, name, kwargs)
+    try:
+        vocab = _load_tensors(hf_model, reader, layout, shape, name, torch_dtype)
+    finally:
+        reader.close()
+    hf_model.to(dev).eval()
+    loaded = finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len)
+    return loaded, layout
+
+
+def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLayout, shape: ModelShape,
+                  name: str, dtype: torch.dtype) -> int:
+    """Fills every parameter of the rank's model from the checkpoint; returns the
+    vocabulary size (rows of the embedding / LM head in the checkpoint)."""
+    vocab = shape.vocab_size
+    skip = set()
+    if not layout.first_stage:
+        skip.add("model.embed_tokens.weight")
+    with torch.no_grad():
+        for key, param in hf_model.state_dict(keep_vars=True).items():
+            if key in skip:
+                continue
+            source, cut = shard_slice(key, layout, shape.head_dim)
+            if key == "lm_head.weight" and not reader.has(source):
+                source = "model.embed_tokens.weight"  # tied embeddings
+            if not reader.has(source):
+                raise ModelLoadError(f"{name}: the checkpoint has no tensor {source} (for {key})")
+            tensor = reader.read(source, cut).to(dtype)
+            if key == "lm_head.weight":
+                vocab = shape.vocab_size
+                if tensor.shape[0] < param.shape[0]:  # the last slice, padded with zero rows
+                    tensor = torch.cat([tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], tensor.shape[1])])
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ModelLoadError(f"{name}: {source} has shape {tuple(tensor.shape)}, the shard needs {tuple(param.shape)}")
+            param.copy_(tensor)
+    return vocab
+
+
+def check_model_parallel(model: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,
+                         pipeline_layer_partition: str | None = None, trust_remote_code: bool = False) -> ModelShape:
+    """The driver's check before any rank starts: the model's family shards and its
+    heads, MLP and layers divide (``ModelLoadError``, a ``ValueError``, saying why and
+    which sizes work)."""
+    from transformers import AutoConfig
+
+    path, name, kwargs = resolve_model(model, trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
+    if SHARDABLE.get(getattr(config, "model_type", None)) is None:
+        raise ModelLoadError(
+            f"{name}: tensor and pipeline parallelism support {sorted(SHARDABLE.values())}, "
+            f"not {getattr(config, 'architectures', None) or config.model_type}"
+        )
+    try:
+        return check_parallel_sizes(config, tensor_parallel_size, pipeline_parallel_size, pipeline_layer_partition)
+    except ParallelSizeError as exc:
+        raise ModelLoadError(f"{name}: {exc}") from None
