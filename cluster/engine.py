@@ -96,6 +96,7 @@ class StepStats:
     forward: float = 0.0
     sample: float = 0.0
     bookkeeping: float = 0.0
+    collective: float = 0.0  # of forward + sample: a group's collectives (its leader's)
 
     @property
     def driver(self) -> float:
@@ -117,6 +118,7 @@ class StepStats:
             self.forward += timings.forward
             self.sample += timings.sample
             self.bookkeeping += timings.bookkeeping
+            self.collective += timings.collective
 
 
 class LLMEngine:

@@ -183,20 +183,27 @@ class WorkerPool:
     # -- starting -------------------------------------------------------------------
 
     def _resources_per_rank(self) -> dict[str, Any]:
-        """What one rank asks Ray for: a GPU each when the cluster has GPUs; CPUs
-        ``worker_num_cpus``, else one CPU per worker shared among its ranks (a token,
-        not a thread cap: a group of three fits a two-core machine)."""
-        c = self.config
-        gpus = c.worker_num_gpus
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        cpus = c.worker_num_cpus if c.worker_num_cpus is not None else round(1.0 / self.group_size, 4)
-        return {"num_gpus": gpus, "num_cpus": cpus, "resources": dict(c.worker_resources)}
+        return rank_resources(self.config, ray.cluster_resources().get("GPU", 0))
 
     def bundle(self) -> dict[str, float]:
         """One rank's placement-group bundle."""
-        r = self._resources
-        return {k: v for k, v in {"CPU": r["num_cpus"], "GPU": r["num_gpus"], **r["resources"]}.items() if v}
+        return resources_bundle(self._resources)
+
+    def _reserved_bundles(self) -> Any:
+        """The placement group this engine runs in when it holds the group's bundles
+        after its own first one (a Serve replica deployed with ``serve_bundles``), else
+        None: the pool then makes a placement group per worker."""
+        from ray.util import get_current_placement_group
+
+        pg = get_current_placement_group()
+        if pg is None or self.group_size == 1:
+            return None
+        specs = pg.bundle_specs
+        wanted = self.bundle()
+        need = 1 + self.config.num_workers * self.group_size
+        if len(specs) >= need and all(specs[i] == wanted for i in range(1, need)):
+            return pg
+        return None
 
     def _spawn(self) -> WorkerSlot:
         lanes = {s.lane for s in self.slots}
@@ -208,9 +215,15 @@ class WorkerPool:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            pg = placement_group([self.bundle() for _ in range(n)], strategy=self.config.placement_group_strategy)
+            reserved = self._reserved_bundles()
+            if reserved is not None:  # the Serve replica's own bundles, this lane's run of them
+                target, first = reserved, 1 + lane * n
+            else:
+                pg = target = placement_group([self.bundle() for _ in range(n)], strategy=self.config.placement_group_strategy)
+                first = 0
             options = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=False)} for i in range(n)]
+                target, placement_group_bundle_index=first + i, placement_group_capture_child_tasks=False)}
+                for i in range(n)]
         ranks = []
         for i in range(n):
             actor = create_worker(**self._resources, compute_thread=self.config.step_channel or n > 1, **options[i])
@@ -500,6 +513,32 @@ class WorkerPool:
             f"the cluster has {_pick(available, keys)} available of {_pick(total, keys)} "
             "(free some, or lower worker_num_cpus / worker_num_gpus / worker_resources)"
         )
+
+
+def rank_resources(config: EngineConfig, cluster_gpus: float) -> dict[str, Any]:
+    """What one rank asks Ray for: a GPU each when the cluster has GPUs
+    (``worker_num_gpus`` overrides); CPUs ``worker_num_cpus``, else one CPU per worker
+    shared among its ranks (a scheduling token, not a thread cap: a group of three fits
+    a two-core machine; threads are the node's cores split among the ranks on it)."""
+    gpus = config.worker_num_gpus
+    if gpus is None:
+        gpus = 1 if cluster_gpus >= 1 else 0
+    cpus = config.worker_num_cpus if config.worker_num_cpus is not None else round(1.0 / config.group_size, 4)
+    return {"num_gpus": gpus, "num_cpus": cpus, "resources": dict(config.worker_resources)}
+
+
+def resources_bundle(resources: dict[str, Any]) -> dict[str, float]:
+    """``rank_resources`` as a placement-group bundle."""
+    merged = {"CPU": resources["num_cpus"], "GPU": resources["num_gpus"], **resources["resources"]}
+    return {k: float(v) for k, v in merged.items() if v}
+
+
+def serve_bundles(config: EngineConfig, cluster_gpus: float, replica_cpus: float = 0.001) -> list[dict[str, float]]:
+    """A Serve replica's ``placement_group_bundles`` for an engine of model-parallel
+    workers (Ray Serve LLM's shape): the replica's own bundle, then every rank's, so a
+    replica starts only once all its ranks can (the pool finds them there)."""
+    rank = resources_bundle(rank_resources(config, cluster_gpus))
+    return [{"CPU": replica_cpus}] + [dict(rank) for _ in range(config.num_workers * config.group_size)]
 
 
 class _StartFailed(RuntimeError):

@@ -44,6 +44,8 @@ FLAG_NAMES = {
     "num_workers": ["--num-workers", "--data-parallel-size", "-dp"],
     "kv_block_size": ["--block-size", "--kv-block-size"],
     "num_spec_tokens": ["--spec-tokens", "--num-spec-tokens"],
+    "tensor_parallel_size": ["--tensor-parallel-size", "-tp"],
+    "pipeline_parallel_size": ["--pipeline-parallel-size", "-pp"],
 }
 
 

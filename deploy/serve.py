@@ -32,12 +32,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+import ray
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput
+from cluster.worker_pool import serve_bundles
 from deploy.metrics import metrics_registry
 from deploy.openai.errors import error_body
 from deploy.openai.protocol import (
@@ -531,9 +534,18 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application (``serve.run(build_app({...}))``, or ``import_path:
     deploy.serve:build_app`` in a Serve config)."""
     parsed = ServerArgs.model_validate(args or {})
+    options: dict[str, Any] = {}
+    engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
+    if engine.group_size > 1:
+        # Model-parallel workers: the replica reserves every rank's bundle with its own
+        # (Ray Serve LLM's way), so it never starts with half its ranks.
+        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        options.update(placement_group_bundles=serve_bundles(engine, gpus),
+                       placement_group_strategy=engine.placement_group_strategy)
     return OpenAIServer.options(
         num_replicas=parsed.num_replicas,
         max_ongoing_requests=parsed.max_ongoing_requests,
         max_queued_requests=parsed.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s),
+        **options,
     ).bind(parsed.model_dump())

@@ -311,7 +311,8 @@ class ModelRunner:
             )
         reply.update(prompt_reply)
         self.timings = StepTimings(
-            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, bookkeeping=time.perf_counter() - t3
+            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, bookkeeping=time.perf_counter() - t3,
+            collective=self.group.take_seconds() if self.group is not None else 0.0,
         )
         return StepReply(**reply, timings=self.timings)
 

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,8 @@ from worker.runner.parallel_layout import RankLayout, leader_rank
 from worker.transport.protocol import GroupRank
 
 logger = logging.getLogger("raydecode")
+
+T = TypeVar("T")
 
 
 class ParallelGroup:
@@ -54,6 +59,7 @@ class ParallelGroup:
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=rank.timeout_s))
             if stage == layout.pp_rank:
                 self.tp_group = group
+        self.seconds = 0.0  # in collectives since ``take_seconds`` last ran
         self.shm = None
         if rank.shm_path and layout.tp_size > 1 and device.type == "cpu":
             self.shm = self._attach_shm(rank.shm_path)
@@ -79,6 +85,18 @@ class ParallelGroup:
             shm.unlink()
         return shm
 
+    def _timed(self, fn: Callable[..., T], *args: object) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def take_seconds(self) -> float:
+        """Seconds spent in collectives since the last call (one step's)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
     # -- tensor parallel ----------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,9 +104,9 @@ class ParallelGroup:
         if self.layout.tp_size == 1:
             return x
         if self.shm is not None and x.is_contiguous():
-            self.shm.all_reduce(x)
+            self._timed(self.shm.all_reduce, x)
         else:
-            dist.all_reduce(x, group=self.tp_group)
+            self._timed(dist.all_reduce, x, dist.ReduceOp.SUM, self.tp_group)
         return x
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -100,21 +118,21 @@ class ParallelGroup:
         ranks = self.layout.stage_ranks()
         if self.layout.tp_rank == 0:
             parts = [torch.empty_like(local) for _ in ranks]
-            dist.gather(local, parts, dst=ranks[0], group=self.tp_group)
+            self._timed(dist.gather, local, parts, ranks[0], self.tp_group)
             return torch.cat(parts, dim=1)[:, :vocab_size]
-        dist.gather(local, None, dst=ranks[0], group=self.tp_group)
+        self._timed(dist.gather, local, None, ranks[0], self.tp_group)
         return None
 
     # -- pipeline parallel ----------------------------------------------------------
 
     def send_hidden(self, h: torch.Tensor) -> None:
         """To the same tensor rank of the next stage."""
-        dist.send(h.contiguous(), dst=self.layout.rank + self.layout.tp_size)
+        self._timed(dist.send, h.contiguous(), self.layout.rank + self.layout.tp_size)
 
     def recv_hidden(self, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """From the same tensor rank of the previous stage."""
         h = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
-        dist.recv(h, src=self.layout.rank - self.layout.tp_size)
+        self._timed(dist.recv, h, self.layout.rank - self.layout.tp_size)
         return h
 
     # -- the sampled tokens -----------------------------------------------------------
@@ -127,10 +145,10 @@ class ParallelGroup:
         if self.layout.world_size > 1:
             if self.backend == "nccl":
                 moved = grid.to(self.device)
-                dist.broadcast(moved, src=self.leader)
+                self._timed(dist.broadcast, moved, self.leader)
                 grid = moved.cpu()
             else:
-                dist.broadcast(grid, src=self.leader)
+                self._timed(dist.broadcast, grid, self.leader)
         return grid
 
     def close(self) -> None:

@@ -173,12 +173,16 @@ class StepTimings(msgspec.Struct, array_like=True, frozen=True):
     """Seconds the worker spent on one step, by part: ``prepare`` (message decode,
     batch changes, attention plan, input ids), ``forward`` (the model),
     ``sample`` (sampler, rejection sampler, prompt logprobs) and ``bookkeeping`` (the
-    rows' new tokens and the reply's arrays)."""
+    rows' new tokens and the reply's arrays). ``collective``: of ``forward`` and
+    ``sample``, the time a rank of a model-parallel group spent in its collectives
+    (all-reduces, the logits gather, stage hand-offs, sharing the tokens: waiting for
+    the other ranks included)."""
 
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
     bookkeeping: float = 0.0
+    collective: float = 0.0
 
 
 class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
