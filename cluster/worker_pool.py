@@ -413,7 +413,8 @@ class WorkerPool:
         """Each rank's ``GroupRank``: the rendezvous at rank 0, and a shared-memory
         segment for each stage whose tensor ranks share a node (CPU workers)."""
         c = self.config
-        init = ray.get(slot.ranks[0].actor.rendezvous_address.remote(), timeout=c.ray_call_timeout_s)
+        init = ray.get(slot.ranks[0].actor.rendezvous_address.remote(len(slot.ranks), c.distributed_timeout_s),
+                       timeout=c.ray_call_timeout_s)
         tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
         tag = uuid.uuid4().hex[:12]
         shm: dict[int, str | None] = {}

@@ -57,16 +57,17 @@ NONFINITE = "the logits became NaN or infinite under this request's parameters (
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig, group_rank: GroupRank | None = None) -> None:
+    def __init__(self, config: WorkerConfig, group_rank: GroupRank | None = None, store: object | None = None) -> None:
         """``group_rank``: this runner is one rank of a model-parallel group
         (``config.group_size`` > 1): it loads its shard and joins the group's
-        collectives; only the leader samples."""
+        collectives (rank 0 through the rendezvous ``store`` it opened); only the
+        leader samples."""
         self.config = config
         torch.manual_seed(config.seed)
         self.loaded, self.layout = self._load_model(config, group_rank)
         self.model, self.device = self.loaded.model, self.loaded.device
         self.max_model_len = self.loaded.max_model_len
-        self.group = self._join_group(group_rank)
+        self.group = self._join_group(group_rank, store)
         #: samples and replies (False: a follower rank, which takes the leader's tokens)
         self.samples = self.layout is None or self.layout.is_leader
         self.backend = choose_backend(self.model, self.device, config, self.group)
@@ -115,12 +116,12 @@ class ModelRunner:
             raise ModelLoadError(f"{loaded.name}: {exc}") from None
         return loaded, layout
 
-    def _join_group(self, group_rank: GroupRank | None) -> ParallelGroup | None:
+    def _join_group(self, group_rank: GroupRank | None, store: object | None) -> ParallelGroup | None:
         """The group's collectives (after the load: a rank that fails to load leaves
         the others waiting here at most ``timeout_s``)."""
         if group_rank is None:
             return None
-        return ParallelGroup(group_rank, self.layout, self.device)
+        return ParallelGroup(group_rank, self.layout, self.device, store)
 
     def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
         """The KV pool, sized from what memory is left after the model (and logged)."""

@@ -41,15 +41,19 @@ T = TypeVar("T")
 class ParallelGroup:
     """This rank's view of its group's collectives (built once, at load)."""
 
-    def __init__(self, rank: GroupRank, layout: RankLayout, device: torch.device) -> None:
+    def __init__(self, rank: GroupRank, layout: RankLayout, device: torch.device, store: object | None = None) -> None:
+        """``store``: rank 0's rendezvous store, already listening at ``init_method``
+        (the other ranks connect to that address)."""
         self.layout = layout
         self.device = device
         self.timeout_s = rank.timeout_s
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend=backend, init_method=rank.init_method, rank=rank.rank, world_size=rank.world_size,
-            timeout=datetime.timedelta(seconds=rank.timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=rank.timeout_s)
+        if store is None:  # a client of rank 0's store (every rank joins through a store alike)
+            host, _, port = rank.init_method.removeprefix("tcp://").rpartition(":")
+            store = dist.TCPStore(host.strip("[]"), int(port), rank.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank.rank, world_size=rank.world_size,
+                                timeout=timeout)
         self.backend = backend
         self.leader = leader_rank(layout.tp_size, layout.pp_size)
         # Every rank creates every stage's subgroup, in the same order (torch's rule).

@@ -15,7 +15,6 @@ thread (``worker/transport/compute_thread.py``), which also reads and answers th
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -102,7 +101,7 @@ class Worker:
             # Ray starts actors with OMP_NUM_THREADS=num_cpus, but torch may have been
             # initialised before; say it explicitly.
             torch.set_num_threads(threads)
-        self._runner = ModelRunner(config, rank)
+        self._runner = ModelRunner(config, rank, store=getattr(self, "_store", None))
         return msgspec.msgpack.encode(self._runner.info)
 
     def step(self, message: bytes) -> bytes:
@@ -121,14 +120,18 @@ class Worker:
 
     # -- a model-parallel group ---------------------------------------------------------
 
-    def rendezvous_address(self) -> str:
-        """``tcp://ip:port`` with a port free on this node now: where the group's ranks
-        meet (this worker is its rank 0)."""
+    def rendezvous_address(self, world_size: int, timeout_s: float = 60.0) -> str:
+        """Opens the group's rendezvous (torch's TCP store, on a port the OS picks, so no
+        other process can take it first) and returns ``tcp://ip:port``; this worker is
+        the group's rank 0 and joins through it at load."""
+        import datetime
+
+        import torch.distributed as dist
+
         host = channel_host()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        self._store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return f"tcp://{host}:{self._store.port}"
 
     def open_group_channel(self) -> ChannelAddress:
         """A follower rank: the channel its leader forwards the group's frames on."""

@@ -1,0 +1,396 @@
+"""Tensor and pipeline parallelism across Ray actors.
+
+The layout arithmetic (pure, property-tested), each rank's shard against the full
+checkpoint, and end to end on the tiny model: TP=2 and TP=4 (4 query heads, 2 KV heads:
+at TP=4 the KV heads are replicated) and PP=2 against one whole worker, TP x PP x DP
+with chunked prefill, preemption, prefix caching, n > 1, logprobs, prompt logprobs, a
+stop string and an abort, a rank killed mid-batch, and the refusals. SmolLM2 (9 heads, 3
+KV heads, 30 layers) at TP=3 and PP=2, and served at TP=3, are marked ``smollm2``.
+
+Two runs of the same model split differently sum in a different order (the all-reduce),
+so greedy tokens may part where the two runs sit on a near-tie: at the first differing
+position each run's token is in the other's top 2 with log-probabilities within 1e-3.
+Such cases are counted (and must be few); anything else fails. Pipeline parallelism with
+one batch in flight changes no arithmetic: it must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster import LLM, RequestOutput
+from helpers import prompts
+from sampler.params import SamplingParams
+from worker.runner.parallel_layout import (
+    ModelShape,
+    ParallelSizeError,
+    check_parallel_sizes,
+    layer_partition,
+    rank_layout,
+    tp_sizes_that_work,
+)
+
+VOCAB = 400
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+SMOLLM2 = ModelShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
+                     intermediate_size=1536, vocab_size=49152)
+LOGPROB_TOLERANCE = 1e-4  # float32, summation order only
+
+
+# -- the layout -------------------------------------------------------------------------
+
+
+@given(layers=st.integers(1, 96), pp=st.integers(1, 96))
+def test_layers_split_evenly_leftovers_to_the_earlier_stages(layers, pp):
+    if pp > layers:
+        with pytest.raises(ParallelSizeError, match="exceeds the model's"):
+            layer_partition(layers, pp)
+        return
+    parts = layer_partition(layers, pp)
+    assert sum(parts) == layers and len(parts) == pp
+    assert max(parts) - min(parts) <= 1 and parts == sorted(parts, reverse=True)
+
+
+def test_an_explicit_partition_overrides_and_is_checked():
+    assert layer_partition(30, 3, [5, 20, 5]) == [5, 20, 5]
+    with pytest.raises(ParallelSizeError, match="3 stages summing to the model's 30 layers"):
+        layer_partition(30, 3, [10, 10])
+
+
+@st.composite
+def shapes_and_sizes(draw):
+    kv = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    heads = kv * draw(st.integers(1, 6))
+    shape = ModelShape(num_layers=draw(st.integers(1, 12)), num_heads=heads, num_kv_heads=kv, head_dim=8,
+                       hidden_size=64, intermediate_size=24 * draw(st.integers(1, 4)), vocab_size=draw(st.integers(5, 999)))
+    tp = draw(st.sampled_from(tp_sizes_that_work(shape, limit=24)))
+    pp = draw(st.integers(1, shape.num_layers))
+    return shape, tp, pp
+
+
+@given(shapes_and_sizes())
+@settings(max_examples=200)
+def test_every_head_column_layer_and_token_has_exactly_one_owner_per_stage(case):
+    shape, tp, pp = case
+    layouts = [rank_layout(shape, tp, pp, r) for r in range(tp * pp)]
+    assert [lay.rank for lay in layouts] == list(range(tp * pp))
+    assert sum(1 for lay in layouts if lay.is_leader) == 1
+    for stage in range(pp):
+        ranks = [lay for lay in layouts if lay.pp_rank == stage]
+        assert len({lay.layers for lay in ranks}) == 1
+        for field, size in (("q_heads", shape.num_heads), ("intermediate", shape.intermediate_size),
+                            ("vocab", shape.vocab_size)):
+            covered = sorted(i for lay in ranks for i in range(*getattr(lay, field)))
+            assert covered == list(range(size)), field
+        group = shape.num_heads // shape.num_kv_heads
+        for lay in ranks:  # a rank holds the KV heads its query heads read
+            assert all(lay.kv_heads[0] <= h // group < lay.kv_heads[1] for h in range(*lay.q_heads))
+            assert lay.vocab_shard * tp >= shape.vocab_size
+    assert [i for lay in layouts if lay.tp_rank == 0 for i in lay.layers] == list(range(shape.num_layers))
+
+
+def test_smollm2_takes_tp_3_and_is_refused_tp_2_saying_which_sizes_work():
+    assert tp_sizes_that_work(SMOLLM2) == [1, 3]
+    layout = rank_layout(SMOLLM2, 3, 2, 4)
+    assert (layout.q_heads, layout.kv_heads, layout.layers) == ((3, 6), (1, 2), range(15, 30))
+    with pytest.raises(ParallelSizeError, match=r"its 9 attention heads do not divide by 2 \(sizes that work: 1, 3\)"):
+        check_parallel_sizes(_hf_config(SMOLLM2), 2, 1)
+    with pytest.raises(ParallelSizeError, match="pipeline_parallel_size 31 exceeds the model's 30 layers"):
+        check_parallel_sizes(_hf_config(SMOLLM2), 1, 31)
+
+
+def _hf_config(shape: ModelShape):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                       num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden_size,
+                       intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size)
+
+
+# -- a rank's shard ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def _shard(path: str, tp: int, pp: int, rank: int):
+    from worker.runner.sharded_loader import load_model_shard
+
+    loaded, layout = load_model_shard(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=rank,
+                                      device="cpu", dtype="float32")
+    return loaded.model, layout, loaded
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_shards_put_back_together_are_the_checkpoint(tiny_model_path, full_model, tp):
+    shards = [_shard(tiny_model_path, tp, 1, r) for r in range(tp)]
+    full = full_model.model.layers[1]
+    layers = [m.model.layers[1] for m, _, _ in shards]
+    cat = lambda name, dim: torch.cat([eval(f"l.{name}").weight for l in layers], dim=dim)  # noqa: E731
+    assert torch.equal(cat("self_attn.q_proj", 0), full.self_attn.q_proj.weight)
+    assert torch.equal(cat("self_attn.o_proj", 1), full.self_attn.o_proj.weight)
+    assert torch.equal(cat("mlp.gate_proj", 0), full.mlp.gate_proj.weight)
+    assert torch.equal(cat("mlp.down_proj", 1), full.mlp.down_proj.weight)
+    # 2 KV heads: split at TP=2, each replicated on two ranks at TP=4
+    kv = [l.self_attn.k_proj.weight for l in layers]
+    if tp == 2:
+        assert torch.equal(torch.cat(kv), full.self_attn.k_proj.weight)
+    else:
+        assert torch.equal(kv[0], kv[1]) and torch.equal(kv[2], kv[3])
+        assert torch.equal(torch.cat([kv[0], kv[2]]), full.self_attn.k_proj.weight)
+    head = torch.cat([m.lm_head.weight for m, _, _ in shards])
+    assert torch.equal(head[:VOCAB], full_model.lm_head.weight) and not head[VOCAB:].any()
+    for m, layout, loaded in shards:
+        assert loaded.vocab_size == full_model.config.vocab_size  # the logits gathered, not a slice
+        assert m.config.num_attention_heads == 4 // tp and not m.config.tie_word_embeddings
+
+
+def test_pipeline_stages_hold_their_layers_only(tiny_model_path, full_model):
+    (first, l0, _), (last, l1, _) = (_shard(tiny_model_path, 1, 2, r) for r in range(2))
+    assert len(first.model.layers) == len(last.model.layers) == 1 and (l0.layers, l1.layers) == (range(0, 1), range(1, 2))
+    assert torch.equal(last.model.layers[0].mlp.up_proj.weight, full_model.model.layers[1].mlp.up_proj.weight)
+    assert isinstance(first.model.norm, torch.nn.Identity) and isinstance(first.lm_head, torch.nn.Identity)
+    assert last.model.embed_tokens.weight.shape[0] == 1  # no table on a later stage
+    assert torch.equal(first.model.embed_tokens.weight, full_model.model.embed_tokens.weight)
+
+
+def test_the_nccl_backend_is_chosen_on_cuda(monkeypatch):
+    """No GPU here: the device check is faked and the initialisation mocked."""
+    import worker.runner.parallel_group as pg
+    from worker.transport.protocol import GroupRank
+
+    calls = {}
+    monkeypatch.setattr(pg.dist, "init_process_group", lambda **kw: calls.setdefault("init", kw))
+    monkeypatch.setattr(pg.dist, "new_group", lambda ranks, timeout=None: calls.setdefault("groups", []).append(ranks))
+    monkeypatch.setattr(pg.dist, "TCPStore", lambda *args, **kw: calls.setdefault("store", args))
+    layout = rank_layout(SMOLLM2, 3, 1, 1)
+    group = pg.ParallelGroup(GroupRank(rank=1, world_size=3, init_method="tcp://10.0.0.1:1234",
+                                       shm_path="/dev/shm/unused", timeout_s=5), layout, torch.device("cuda", 0))
+    assert calls["init"]["backend"] == "nccl" and calls["store"][:3] == ("10.0.0.1", 1234, 3)
+    assert calls["init"]["rank"] == 1 and calls["init"]["world_size"] == 3
+    assert calls["groups"] == [[0, 1, 2]] and group.shm is None  # shared memory is a CPU path
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+
+def tokens(out: RequestOutput) -> list[int]:
+    return out.outputs[0].token_ids
+
+
+def compare(ref: list[RequestOutput], got: list[RequestOutput], tolerance: float = LOGPROB_TOLERANCE) -> int:
+    """Asserts every output equals its reference under the near-tie rule (see the
+    module docstring) and its logprobs within ``tolerance`` up to where they part;
+    returns the number of near-ties."""
+    ties = 0
+    for r, g in zip(ref, got, strict=True):
+        for rc, gc in zip(r.outputs, g.outputs, strict=True):
+            a, b = rc.token_ids, gc.token_ids
+            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            upto = len(a) if same is None else same
+            if rc.logprobs is not None:
+                for i in range(upto):
+                    assert abs(rc.logprobs[i][a[i]].logprob - gc.logprobs[i][b[i]].logprob) < tolerance
+            if same is None:
+                assert len(a) == len(b)
+                continue
+            ra, gb = rc.logprobs[same], gc.logprobs[same]
+            assert b[same] in ra and a[same] in gb, f"not a near-tie at {same}: {a} vs {b}"
+            assert abs(ra[a[same]].logprob - ra[b[same]].logprob) < 1e-3
+            ties += 1
+    return ties
+
+
+@pytest.fixture(scope="module")
+def workload():
+    ps = prompts(VOCAB, [3, 9, 17, 33, 70, 120, 5, 41], seed=31)
+    params = [GREEDY if i % 2 else SamplingParams(temperature=0.9, top_k=40, seed=i, max_tokens=20, ignore_eos=True,
+                                                  logprobs=2) for i in range(len(ps))]
+    return ps, params
+
+
+ENGINE = dict(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def single(ray_local, tiny_model_path, workload):
+    llm = LLM(tiny_model_path, **ENGINE)
+    try:
+        yield llm.generate(*workload, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2)])
+def test_a_split_model_answers_as_one_worker(ray_local, tiny_model_path, workload, single, tp, pp):
+    llm = LLM(tiny_model_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        assert len(llm.engine.workers[0].ranks) == tp * pp
+        got = llm.generate(*workload, use_tqdm=False)
+        stats = llm.engine.stats
+    finally:
+        llm.shutdown()
+    if pp > 1:  # one batch in flight: the same arithmetic, bit for bit
+        assert [tokens(o) for o in got] == [tokens(o) for o in single]
+        assert compare(single, got, tolerance=1e-12) == 0
+    else:
+        assert compare(single, got) <= 1
+    assert 0 < stats.collective < stats.forward + stats.sample
+
+
+def test_tp_pp_dp_together_with_every_feature(ray_local, tiny_model_path):
+    """TP=2 x PP=2 x DP=2 (8 ranks) with a tight KV pool (preemption), a small step
+    budget (chunked prefill beside decodes), shared prefixes (prefix caching), n=2
+    seeded samples, logprobs and prompt logprobs, a stop string and an abort, against
+    one whole worker with the same settings."""
+    shared = prompts(VOCAB, [64], seed=5)[0]
+    ps = [shared + p for p in prompts(VOCAB, [4, 11, 23, 7, 30, 15], seed=6)] + prompts(VOCAB, [50, 8], seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=30, ignore_eos=True, logprobs=1)] * 4
+    settings_ = dict(max_num_seqs=6, max_model_len=512, max_num_batched_tokens=32, kv_cache_tokens=320)
+
+    def run(**split):
+        llm = LLM(tiny_model_path, **settings_, **split)
+        engine = llm.engine
+        try:
+            first = llm.generate(ps, params, use_tqdm=False)
+            text = engine.tokenizer.decode(tokens(first[0])[5:7])
+            stop = llm.generate([ps[0]], params[0].clone(stop=[text], include_stop_str_in_output=True),
+                                use_tqdm=False)[0]
+            engine.add_request("aborted", ps[1], params[0].clone(max_tokens=200, ignore_eos=True))
+            while not any(s.output_token_ids for w in engine.workers if w.live for s in w.scheduler.running):
+                engine.step()
+            engine.abort_request("aborted")
+            aborted = [o for o in engine.step() if o.request_id == "aborted"]
+            preempted = sum(o.metrics.num_preemptions for o in first)
+            cached = sum(o.num_cached_tokens for o in first)
+            return first, stop, aborted, preempted, cached
+        finally:
+            llm.shutdown()
+
+    ref, ref_stop, _, _, _ = run(num_workers=1)
+    got, stop, aborted, preempted, cached = run(num_workers=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert compare(ref, got) <= 2
+    for r, g in zip(ref, got):
+        if r.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert len(r.prompt_logprobs) == len(g.prompt_logprobs) == len(r.prompt_token_ids)
+        for pr, pg in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            top = min(pr, key=lambda t: pr[t].rank)
+            assert abs(pr[top].logprob - pg[top].logprob) < LOGPROB_TOLERANCE
+    assert stop.outputs[0].finish_reason == "stop" and stop.outputs[0].text == ref_stop.outputs[0].text
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    assert preempted > 0, "the tight pool should have preempted someone"
+    assert cached > 0, "the shared prefix should have been cached"
+
+
+def test_a_rank_killed_mid_batch_loses_nothing(ray_local, tiny_model_path, workload, single):
+    ps, params = workload
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    try:
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            engine.add_request(str(i), p, sp)
+        finals: dict[str, RequestOutput] = {}
+        killed = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            if killed is not None:
+                continue
+            group = engine.workers[0]
+            if group.live and sum(len(s.output_token_ids) > 0 for s in group.scheduler.running) >= 3:
+                follower = next(r for i, r in enumerate(group.ranks) if i != group.leader)
+                killed = follower.pid
+                os.kill(killed, signal.SIGKILL)
+        assert killed and engine.num_worker_failures == 1
+        assert all(killed != r.pid for w in engine.workers for r in w.ranks)  # replaced whole
+        got = [finals[str(i)] for i in range(len(ps))]
+        assert compare(single, got) <= 1
+        assert engine.health()["healthy"]
+    finally:
+        llm.shutdown()
+
+
+def test_sizes_that_cannot_work_are_refused_before_anything_starts(ray_local, tiny_model_path):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not fit .* \(sizes that work: 1, 2, 4\)"):
+        LLM(tiny_model_path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        LLM(tiny_model_path, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_layer_partition"):
+        LLM(tiny_model_path, pipeline_parallel_size=2, pipeline_layer_partition="1,1,1")
+
+
+def test_a_group_that_cannot_be_placed_says_what_it_asked_for(ray_local, tiny_model_path):
+    with pytest.raises(RuntimeError, match=r"its 2 ranks ask for \{'CPU': 0.5, 'nowhere': 1.0\} each "
+                                           r"\(PACK placement group\); the cluster has"):
+        LLM(tiny_model_path, tensor_parallel_size=2, worker_resources={"nowhere": 1}, placement_report_s=1,
+            worker_start_timeout_s=3)
+
+
+# -- SmolLM2 --------------------------------------------------------------------------------
+
+TEXTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+         "Explain what a Ray actor is in one sentence.", "def fibonacci(n):", "Translate 'good morning' to Spanish:"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_single(ray_local):
+    llm = LLM(max_num_seqs=8, max_model_len=1024)
+    try:
+        yield llm.generate(TEXTS, GREEDY.clone(max_tokens=32), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("tp,pp", [(3, 1), (1, 2)])
+def test_smollm2_split_answers_as_one_worker(ray_local, smollm2_single, tp, pp):
+    llm = LLM(max_num_seqs=8, max_model_len=1024, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        got = llm.generate(TEXTS, GREEDY.clone(max_tokens=32), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    if pp > 1:
+        assert [tokens(o) for o in got] == [tokens(o) for o in smollm2_single]
+    ties = compare(smollm2_single, got, tolerance=1e-3)
+    assert ties <= 1
+
+
+@pytest.mark.smollm2
+def test_smollm2_served_with_tp_3_answers_the_openai_api(ray_local):
+    import json
+
+    from openai import OpenAI
+
+    from helpers import served
+
+    with served({"engine": {"tensor_parallel_size": 3, "max_model_len": 1024}}, "tp3") as server:
+        client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                  "additionalProperties": False}
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name a city as JSON."}],
+            max_tokens=60, temperature=0, logprobs=True, top_logprobs=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        )
+        choice = reply.choices[0]
+        assert isinstance(json.loads(choice.message.content)["city"], str)
+        assert len(choice.logprobs.content) == reply.usage.completion_tokens
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+        import httpx
+
+        health = httpx.get(f"{server}/health", timeout=30).json()
+        assert health["ranks_per_worker"] == 3 and health["live_workers"] == 1
