@@ -91,6 +91,16 @@ class EngineCollector:
             hits.add_metric([labels[0], str(worker["worker"])], worker["hits"])
         yield queries
         yield hits
+        # The engine's workers (each a model replica: one actor, or a model-parallel
+        # group of ranks): live ones, the configured count (fewer live: degraded while a
+        # lost one, or a group that lost a rank, is replaced), and those lost so far.
+        health = engine.health()
+        yield gauge("raydecode:workers_live", "Workers (model replicas) serving now.", health["live_workers"])
+        yield gauge("raydecode:workers_configured", "Workers (model replicas) the engine keeps.", engine.config.num_workers)
+        yield gauge("raydecode:ranks_per_worker", "Ray actors per worker (tensor x pipeline parallel size).",
+                    health["ranks_per_worker"])
+        yield counter("raydecode:worker_failures", "Workers lost (died, hung, failed to start) since the engine started.",
+                      health["worker_failures"])
         for key, name, doc in HISTOGRAMS:
             yield histogram(name, doc, labels, snap.histograms[key])
 

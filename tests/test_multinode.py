@@ -120,3 +120,29 @@ def test_serve_places_the_worker_on_the_node_with_the_resource(resource_cluster,
 
     live = list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
     assert len(live) == 1 and live[0].node_id == node.node_id
+
+
+@pytest.mark.multinode
+def test_a_tensor_parallel_group_across_two_nodes_answers_as_one_node(two_nodes, tiny_model_path):
+    """TP=2 spread over the two nodes (gloo over TCP between them, no shared memory)
+    gives what one whole worker gives."""
+    cluster, second = two_nodes
+    ps = prompts(400, [4, 19, 33, 8], seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    settings = dict(max_num_seqs=4, max_model_len=256, worker_start_timeout_s=120)
+    one = LLM(tiny_model_path, **settings)
+    try:
+        ref = one.generate(ps, params, use_tqdm=False)
+    finally:
+        one.shutdown()
+    llm = LLM(tiny_model_path, tensor_parallel_size=2, placement_group_strategy="STRICT_SPREAD", **settings)
+    try:
+        (group,) = llm.engine.workers
+        assert len({r.node_id for r in group.ranks}) == 2, "one rank per node"
+        got = llm.generate(ps, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for r, g in zip(ref, got):
+        assert r.outputs[0].token_ids == g.outputs[0].token_ids
+        for a, b, t in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, r.outputs[0].token_ids):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4

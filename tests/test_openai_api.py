@@ -507,6 +507,12 @@ def test_metrics_have_vllms_names_and_count_what_ran(server, ref):
     for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                  "vllm:e2e_request_latency_seconds"):
         assert types[name] == "histogram", name
+    for name in ("raydecode:workers_live", "raydecode:workers_configured", "raydecode:ranks_per_worker"):
+        assert types[name] == "gauge", name
+    assert types["raydecode:worker_failures"] == "counter"
+    live = before["samples"][("raydecode:workers_live", ())]
+    assert live == before["samples"][("raydecode:workers_configured", ())] >= 1
+    assert before["samples"][("raydecode:ranks_per_worker", ())] == 1
     ttft_bounds = sorted(float(dict(k)["le"]) for (n, k) in before["samples"]
                          if n == "vllm:time_to_first_token_seconds_bucket")
     assert ttft_bounds[:4] == [0.001, 0.005, 0.01, 0.02] and ttft_bounds[-2:] == [2560.0, math.inf]
