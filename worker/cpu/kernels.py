@@ -5,7 +5,9 @@
 - the fused layer ops (``layer_ops.cpp``: RMSNorm with the residual add, rotary into
   the pool, SiLU-mul) that ``worker/cpu/fused_decoder.py`` runs;
 - the float32 linear over column-panel weights (``panel_linear.cpp``) that
-  ``worker/cpu/packed_linear.py`` packs for.
+  ``worker/cpu/packed_linear.py`` packs for;
+- the shared-memory all-reduce between tensor-parallel ranks on one node
+  (``shm_allreduce.cpp``), behind ``worker/cpu/shm_allreduce.py``.
 
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` into
 ``$RAYDECODE_CACHE/kernels`` (``make setup`` does it ahead: ``python -m
@@ -32,8 +34,9 @@ logger = logging.getLogger("raydecode")
 #: The C++ sources (shipped as package data).
 CSRC = Path(__file__).with_name("csrc")
 #: The extension's sources: the attention kernel (it defines the module), the fused
-#: layer ops and the panel linear; HEADERS count for the build's identity too.
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp")]
+#: layer ops, the panel linear and the shm all-reduce; HEADERS count for the build's
+#: identity too.
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp", "shm_allreduce.cpp")]
 HEADERS = [CSRC / name for name in ("cpu_math.h", "work_split.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 
