@@ -127,6 +127,10 @@ class LLMEngine:
         self.ray = RaySession.connect(config.address, config.ray_init_kwargs)
         try:
             self.tokenizer, self.model_name = load_tokenizer(config.model, config.trust_remote_code)
+            #: steps a pipeline-parallel worker keeps in flight (vLLM's virtual engines:
+            #: stage 1 runs one batch while stage 2 finishes the one before); 1 with
+            #: speculative decoding (the next step's drafts need this one's tokens)
+            self.pipeline_in_flight = config.pipeline_parallel_size if not config.num_spec_tokens else 1
             if config.group_size > 1:  # refused before any actor starts
                 check_model_parallel(config.model, config.tensor_parallel_size, config.pipeline_parallel_size,
                                      config.pipeline_layer_partition, config.trust_remote_code)
@@ -154,6 +158,8 @@ class LLMEngine:
         #: steps a worker may have in flight: 2 under async scheduling (the next step
         #: waits in the worker's queue while this one runs and its reply is merged)
         self.steps_ahead = 2 if config.async_scheduling_on(infos[0].device) else 1
+        if self.pipeline_in_flight > 1:  # a step per pipeline stage, each of other sequences
+            self.steps_ahead = self.pipeline_in_flight
         #: counters for monitoring (``deploy/metrics.py`` exposes them as vLLM's metrics)
         self.metrics = EngineMetrics(self.max_model_len)
         #: monotonic time of the last completed (or failed) step, or of being idle
@@ -185,6 +191,7 @@ class LLMEngine:
             num_spec_tokens=c.num_spec_tokens,
             decodes_first=c.decodes_first,
             enable_prefix_caching=c.enable_prefix_caching,
+            exclude_in_flight=self.pipeline_in_flight > 1,
             # The same on every worker of the engine (one model, one dtype): a sequence's
             # keys are probed against every worker's cache (prefix routing).
             cache_salt=model_salt(info.model_name, info.dtype),
@@ -423,14 +430,19 @@ class LLMEngine:
         """Whether to queue a step behind ``slot``'s running one: only a decode step
         with nobody waiting. A request that arrives later waits behind the queued step
         as well as the running one; a decode step is short, a prefill chunk is not (and
-        its round trip matters little beside its length)."""
-        return not self.waiting and slot.scheduler.decodes_only()
+        its round trip matters little beside its length). A pipeline-parallel worker
+        always does: its next step runs other sequences, on the stage the running one
+        has left."""
+        return self.pipeline_in_flight > 1 or (not self.waiting and slot.scheduler.decodes_only())
 
     def _send_next(self, slot: WorkerSlot, share: int) -> bool:
         """Schedules and sends ``slot``'s next step; False when there was nothing to
         send (or it could not be sent)."""
         t0 = time.perf_counter()
-        step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here)
+        cap = None
+        if self.pipeline_in_flight > 1:  # the steps in flight split the sequences evenly
+            cap = max(1, math.ceil((slot.scheduler.num_running + len(self.waiting)) / self.pipeline_in_flight))
+        step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here, cap)
         t1 = time.perf_counter()
         self.stats.schedule += t1 - t0
         for seq in preempted:
@@ -447,6 +459,8 @@ class LLMEngine:
         try:
             message = self._codec.encode(step.message)
             if slot.channel is not None:
+                for follower in slot.follower_channels:  # a group: every rank runs it
+                    follower.send(message)
                 slot.channel.send(message)
             else:
                 ref = slot.actor.step.remote(message)
@@ -560,6 +574,10 @@ class LLMEngine:
                 self.waiting.push(seq)
         logger.warning("%s; %d requests charged a failure, their sequences re-queued", reason, len(charged))
         self.last_progress = time.monotonic()
+        if len(slot.ranks) > 1:
+            # A group's ranks may have parted in the middle of their collectives: it is
+            # replaced whole rather than reset.
+            lost = True
         if not lost:
             # The reset closes the worker's step channel first (a step queued behind the
             # failed one must not run after it), so a new one is opened.

@@ -106,7 +106,11 @@ class WorkerScheduler:
         decodes_first: bool = False,
         enable_prefix_caching: bool = True,
         cache_salt: str | bytes | None = None,
+        exclude_in_flight: bool = False,
     ) -> None:
+        """``exclude_in_flight``: a step never takes a sequence that a step still in
+        flight runs (a pipeline-parallel worker keeps several steps of different
+        sequences in flight, one per stage)."""
         self.max_rows = max_rows
         self.token_budget = max_num_batched_tokens
         self.chunk_limit = long_prefill_token_threshold or max_num_batched_tokens
@@ -114,6 +118,7 @@ class WorkerScheduler:
         self.block_size = kv_block_size
         self.num_spec_tokens = num_spec_tokens
         self.decodes_first = decodes_first
+        self.exclude_in_flight = exclude_in_flight
         self.rows: list[Sequence | None] = []
         self.builder = BatchUpdateBuilder()
         self.step_id = 0
@@ -166,6 +171,7 @@ class WorkerScheduler:
         recomputes later, taking whatever of its prefix is still cached)."""
         self.free(seq)
         seq.num_computed_tokens = 0
+        seq.last_step_id = -1
         seq.num_preemptions += 1
         self.num_preemptions += 1
 
@@ -174,7 +180,7 @@ class WorkerScheduler:
         start afresh, and nothing cached in its KV is trusted any more."""
         seqs = self.running
         for seq in seqs:
-            seq.row, seq.num_computed_tokens = None, 0
+            seq.row, seq.num_computed_tokens, seq.last_step_id = None, 0, -1
             seq.block_ids, seq.num_registered_blocks = [], 0
         self.rows = []
         self.builder = BatchUpdateBuilder()
@@ -204,22 +210,27 @@ class WorkerScheduler:
         waiting: WaitingQueue,
         share: int,
         admit: Callable[[Sequence, "WorkerScheduler"], bool] | None = None,
+        max_rows_scheduled: int | None = None,
     ) -> tuple[ScheduledStep | None, list[Sequence]]:
         """The next step (None when there is nothing to send) and the sequences preempted
         while building it (already pushed back onto ``waiting``). ``share`` caps how many
         sequences this worker may hold, so data-parallel workers split the load;
         ``admit(seq, self)`` may leave a waiting sequence to another worker (prefix
-        routing)."""
+        routing). ``max_rows_scheduled`` caps the sequences that run in this step (a
+        pipeline-parallel worker splits its sequences among the steps it keeps in flight)."""
         budget = self.token_budget
+        cap = max_rows_scheduled if max_rows_scheduled is not None else self.max_rows
         planned: dict[int, int] = {}  # id(seq) -> tokens
         preempted: list[Sequence] = []
         self._new_blocks = {}
 
         running = sorted(self.running, key=lambda s: s.sort_key)
-        while running and budget > 0:
+        while running and budget > 0 and len(planned) < cap:
             seq = running.pop(0)
             if seq.ends_in_flight:
                 continue  # its last token is being sampled; the reply will free it
+            if self.exclude_in_flight and seq.num_inflight_tokens:
+                continue  # a step in flight runs it: the next one after that reply
             n = min(seq.num_unscheduled_tokens, budget, self.chunk_limit)
             if n <= 0:
                 continue
@@ -242,7 +253,7 @@ class WorkerScheduler:
         # A suspect (it was in a failed step) runs alone until it gets past that point.
         alone = any(s is not None and s.suspect for s in self.rows)
         passed_over: list[Sequence] = []
-        while (waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted
+        while (waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted and len(planned) < cap
                and not alone and len(passed_over) < MAX_PASSED_OVER):
             seq = waiting.peek()
             if seq.suspect and num_held:
@@ -279,6 +290,12 @@ class WorkerScheduler:
             seq.num_inflight_tokens += n
             seq.num_inflight_samples += m
         new_blocks = [self._new_blocks.get(id(seq), ()) for seq in rows]
+        # The ranks that do not sample collect the tokens of the newest earlier step that
+        # ran one of this step's sequences before they apply it.
+        needs = max((seq.last_step_id for seq, n in zip(rows, num_tokens) if n), default=-1)
+        for seq, n in zip(rows, num_tokens):
+            if n:
+                seq.last_step_id = self.step_id
         message = StepRequest(
             version=PROTOCOL_VERSION,
             step_id=self.step_id,
@@ -297,6 +314,7 @@ class WorkerScheduler:
             num_scheduled_tokens=Int32Array.of(num_tokens),
             num_new_blocks=Int32Array.of([len(b) for b in new_blocks]),
             new_block_ids=Int32Array.of([b for blocks in new_blocks for b in blocks]),
+            needs_tokens_of=needs,
         )
         self.step_id += 1
         return ScheduledStep(message, rows, num_tokens, num_samples), preempted

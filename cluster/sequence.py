@@ -53,6 +53,8 @@ class Sequence:
         #: will sample (async scheduling plans the next step before a reply is merged)
         self.num_inflight_tokens = 0
         self.num_inflight_samples = 0
+        #: the step it last ran in (its worker's step id; -1: none yet)
+        self.last_step_id = -1
         #: the KV blocks it holds on its worker, in order (its block table)
         self.block_ids: list[int] = []
         #: leading blocks of ``block_ids`` whose content is registered for reuse

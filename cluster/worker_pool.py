@@ -95,8 +95,11 @@ class WorkerSlot:
     created_at: float = field(default_factory=time.monotonic)
     placement_reported: bool = False
     info: WorkerInfo | None = None
-    #: the worker's step channel (None: steps go as Ray calls)
+    #: the worker's step channel (None: steps go as Ray calls); a group's leader's
     channel: StepChannel | None = None
+    #: a group's other ranks' channels: each step goes to every rank, only the leader
+    #: replies
+    follower_channels: list[StepChannel] = field(default_factory=list)
     # The engine's, once live:
     scheduler: Any = None
     #: steps sent and not yet merged, oldest first (two under async scheduling: the
@@ -226,6 +229,7 @@ class WorkerPool:
                 for i in range(n)]
         ranks = []
         for i in range(n):
+            # A group's ranks take their steps on step channels: they need the compute thread.
             actor = create_worker(**self._resources, compute_thread=self.config.step_channel or n > 1, **options[i])
             ranks.append(Rank(actor, actor.ready.remote()))
         slot = WorkerSlot(next(self._ids), ranks, self._resources, leader=leader_rank(
@@ -354,21 +358,25 @@ class WorkerPool:
             # The driver keeps one block table per group: the smallest pool bounds it.
             info = msgspec.structs.replace(info, num_kv_blocks=min(r.info.num_kv_blocks for r in slot.ranks))
             try:
-                self._connect_group(slot)
-            except (RayError, GetTimeoutError) as exc:
+                self._open_group_channels(slot)
+            except Exception as exc:
                 if raise_errors:
-                    raise RuntimeError(f"worker {slot.index}: its ranks could not be connected ({exc!r})") from None
-                raise _StartFailed(f"its ranks could not be connected ({type(exc).__name__})") from None
-        if self.config.step_channel:
+                    raise RuntimeError(f"worker {slot.index}: its ranks' step channels could not be opened ({exc!r})") from None
+                raise _StartFailed(f"its ranks' step channels could not be opened ({exc!r})") from None
+        elif self.config.step_channel:
             self.open_channel(slot)
         slot.info = info
 
-    def _connect_group(self, slot: WorkerSlot) -> None:
-        """The leader's channels to its followers (each follower opens one)."""
-        followers = [r for i, r in enumerate(slot.ranks) if i != slot.leader]
+    def _open_group_channels(self, slot: WorkerSlot) -> None:
+        """A group's steps go straight to every rank (so a later pipeline stage is not
+        waited on before an earlier one starts the next step); only the leader replies."""
+        close_channel(slot)
         timeout = self.config.ray_call_timeout_s
-        addresses = ray.get([r.actor.open_group_channel.remote() for r in followers], timeout=timeout)
-        ray.get(slot.actor.connect_group.remote(addresses, self.config.distributed_timeout_s), timeout=timeout)
+        refs = [r.actor.open_channel.remote(i == slot.leader) for i, r in enumerate(slot.ranks)]
+        addresses = ray.get(refs, timeout=timeout)
+        channels = [StepChannel(a, send_timeout_s=self.config.step_timeout_s) for a in addresses]
+        slot.channel = channels[slot.leader]
+        slot.follower_channels = [c for i, c in enumerate(channels) if i != slot.leader]
 
     def open_channel(self, slot: WorkerSlot) -> None:
         """Connects ``slot``'s step channel (a new one: whatever the old one still held
@@ -551,6 +559,9 @@ def _pick(resources: dict[str, float], keys: list[str]) -> dict[str, float]:
 
 
 def close_channel(slot: WorkerSlot) -> None:
+    for channel in slot.follower_channels:
+        channel.close()
+    slot.follower_channels = []
     if slot.channel is not None:
         slot.channel.close()
         slot.channel = None

@@ -84,6 +84,9 @@ class ModelRunner:
             NgramProposer(config.num_spec_tokens, config.ngram_min, config.ngram_max) if config.num_spec_tokens else None
         )
         self.timings = StepTimings()
+        self._token_sends: list[object] = []  # the leader's, of its last step
+        #: another rank's receives of the leader's tokens: (step id, handle, table, requests), oldest first
+        self._token_receives: list[tuple[int, object, torch.Tensor, list]] = []
         self.info = self._worker_info()
         self._probe_attention()
         if self.group is not None and self.backend.decoder is None:
@@ -216,6 +219,8 @@ class ModelRunner:
         ``started`` (a ``perf_counter`` time) is when the step's message arrived: the
         reply's ``timings.prepare`` counts from there."""
         t0 = time.perf_counter() if started is None else started
+        if self._token_receives:
+            self._collect_tokens(step.needs_tokens_of)
         try:
             self.batch.apply(step)
             return self._run(step.step_id, step.num_scheduled_tokens.numpy().astype(np.int64), t0)
@@ -265,18 +270,25 @@ class ModelRunner:
         t2 = time.perf_counter()
 
         num_sample_logits = int(s_width.sum())
-        prompt_reply, lp, failed = {}, None, []
-        if self.samples:
-            prompt_reply = self._prompt_logprobs(prompt_chunks, logits[num_sample_logits:])
-            try:
-                emitted, lp, failed = self._sample(logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width)
-            except LogitsProcessorError:
-                if self.group is not None:
-                    self._share_tokens(None, set(), s_rows, s_width)
-                raise
+        if not self.samples:  # a rank that does not sample: the leader's tokens follow
+            if len(s_rows):
+                self._expect_tokens(step_id, s_rows, s_width)
+            batch.num_computed[rows] = computed + count - num_drafts
+            t3 = time.perf_counter()
+            self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
+                                       collective=self.group.take_seconds())
+            return StepReply(version=PROTOCOL_VERSION, step_id=step_id,
+                             num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)), timings=self.timings)
+        prompt_reply = self._prompt_logprobs(prompt_chunks, logits[num_sample_logits:])
+        try:
+            emitted, lp, failed = self._sample(logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width)
+        except LogitsProcessorError:
+            if self.group is not None and len(s_rows):
+                self._send_tokens(None, set(), s_rows, s_width)
+            raise
         failed_rows = {f.row for f in failed}
-        if self.group is not None:
-            emitted, failed_rows = self._share_tokens(emitted if self.samples else None, failed_rows, s_rows, s_width)
+        if self.group is not None and len(s_rows):
+            self._send_tokens(emitted, failed_rows, s_rows, s_width)
         t3 = time.perf_counter()
         # Bookkeeping: cache lengths (past rejected drafts: they are simply overwritten
         # later) and the rows' tokens.
@@ -355,26 +367,49 @@ class ModelRunner:
             return None
         return out
 
-    def _share_tokens(self, emitted: list[list[int]] | None, failed: set[int], s_rows: np.ndarray,
-                      width: np.ndarray) -> tuple[list[list[int]], set[int]]:
-        """The leader's emitted tokens per sampling row (and the rows that failed) on
-        every rank of the group: one broadcast of a ``[rows, 1 + width]`` table (a count,
-        -1 for a failed row, -2 when the leader's sampling raised, then the tokens)."""
+    def _send_tokens(self, emitted: list[list[int]] | None, failed: set[int], s_rows: np.ndarray,
+                     width: np.ndarray) -> None:
+        """The leader: what each sampling row emitted, to the group's other ranks (a
+        ``[rows, 1 + width]`` table: a count, -1 for a failed row, -2 when the sampling
+        raised, then the tokens). The previous step's sends are complete first."""
+        for work in self._token_sends:
+            self.group.wait(work)
         rows, cols = len(s_rows), 1 + (int(width.max()) if len(width) else 0)
-        grid = None
+        grid = torch.full((rows, cols), -2, dtype=torch.int32)
         if emitted is not None:
-            grid = torch.zeros(rows, cols, dtype=torch.int32)
+            grid.zero_()
             for i, (row, tokens) in enumerate(zip(s_rows.tolist(), emitted)):
                 grid[i, 0] = -1 if row in failed else len(tokens)
                 grid[i, 1 : 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-        elif self.samples:  # the leader's sampling raised: the followers raise too
-            grid = torch.full((rows, cols), -2, dtype=torch.int32)
-        grid = self.group.share_tokens(grid, rows, cols).numpy()
-        if rows and (grid[:, 0] == -2).any():
-            raise LogitsProcessorError("a logits processor raised on the group's sampling rank")
-        counts = grid[:, 0]
-        out = [grid[i, 1 : 1 + max(0, int(c))].tolist() for i, c in enumerate(counts)]
-        return out, {int(r) for r, c in zip(s_rows.tolist(), counts) if c < 0}
+        self._token_sends = self.group.send_tokens(grid)
+
+    def _expect_tokens(self, step_id: int, s_rows: np.ndarray, width: np.ndarray) -> None:
+        """Another rank: posts the receive of the leader's tokens for this step's
+        sampling rows; they are appended when a later step needs them (``_collect_tokens``),
+        so an earlier pipeline stage goes on to another step meanwhile."""
+        cols = 1 + (int(width.max()) if len(width) else 0)
+        work, grid = self.group.receive_tokens(len(s_rows), cols)
+        requests = [self.batch.requests[r] for r in s_rows.tolist()]
+        self._token_receives.append((step_id, work, grid, requests))
+
+    def _collect_tokens(self, through: int) -> None:
+        """Another rank: appends the leader's tokens of the steps up to ``through``
+        (the step message's ``needs_tokens_of``) to their rows, found by request (later
+        steps may have moved them; a row removed since is skipped)."""
+        batch = self.batch
+        while self._token_receives and self._token_receives[0][0] <= through:
+            _, work, grid, requests = self._token_receives.pop(0)
+            self.group.wait(work)
+            where = {id(r): i for i, r in enumerate(batch.requests[: batch.batch_size]) if r is not None}
+            table = grid.cpu().numpy()
+            for req, entry in zip(requests, table):
+                row, count = where.get(id(req)), int(entry[0])
+                if row is None or count < 0:
+                    continue
+                batch.append_tokens(row, entry[1 : 1 + count].tolist())
+                batch.num_computed[row] += count - 1  # accepted drafts (with no drafts: 0)
+            if batch.thinking_budget is not None:
+                batch.thinking_budget.update_state([r.output_token_ids for r in batch.requests[: batch.batch_size]])
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """n-gram drafts for decoding rows, written past each row's known tokens."""
@@ -512,6 +547,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drops every request and rebuilds the processors (cache rows are reused)."""
         self.batch = self._new_batch()
+        self._token_receives = []
 
     def memory(self) -> dict[str, int]:
         n = self.batch.batch_size

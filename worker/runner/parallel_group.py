@@ -11,8 +11,10 @@ device), with one tensor-parallel subgroup per pipeline stage. What a step needs
   stage's tensor rank 0 (the leader, on the last stage);
 - ``send_hidden`` / ``recv_hidden``: the hidden states crossing a stage boundary, tensor
   rank t of one stage to tensor rank t of the next;
-- ``share_tokens``: the leader's sampled tokens to every rank (each keeps its
-  persistent batch in step).
+- ``send_tokens`` / ``receive_tokens``: the leader's sampled tokens to every other rank
+  (each keeps its persistent batch in step), point to point and without waiting: a
+  rank collects them before it next needs them (``worker/runner/model_runner.py``), so
+  an earlier pipeline stage starts the next batch while the leader still samples.
 
 Every collective is bounded by ``timeout_s`` (the process group's timeout; the shared
 segment checks a deadline while it waits), so the ranks left in a group whose rank died
@@ -36,6 +38,9 @@ from worker.transport.protocol import GroupRank
 logger = logging.getLogger("raydecode")
 
 T = TypeVar("T")
+
+#: Point-to-point tags: a stage's hidden states, the leader's sampled tokens.
+HIDDEN_TAG, TOKENS_TAG = 1, 2
 
 
 class ParallelGroup:
@@ -131,29 +136,32 @@ class ParallelGroup:
 
     def send_hidden(self, h: torch.Tensor) -> None:
         """To the same tensor rank of the next stage."""
-        self._timed(dist.send, h.contiguous(), self.layout.rank + self.layout.tp_size)
+        self._timed(dist.send, h.contiguous(), self.layout.rank + self.layout.tp_size, None, HIDDEN_TAG)
 
     def recv_hidden(self, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """From the same tensor rank of the previous stage."""
         h = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
-        self._timed(dist.recv, h, self.layout.rank - self.layout.tp_size)
+        self._timed(dist.recv, h, self.layout.rank - self.layout.tp_size, None, HIDDEN_TAG)
         return h
 
     # -- the sampled tokens -----------------------------------------------------------
 
-    def share_tokens(self, grid: torch.Tensor | None, rows: int, width: int) -> torch.Tensor:
-        """The leader's ``[rows, width]`` int32 table of what each sampling row emitted,
-        on every rank (``grid`` is the leader's; the others pass None)."""
-        if grid is None:
-            grid = torch.empty(rows, width, dtype=torch.int32)
-        if self.layout.world_size > 1:
-            if self.backend == "nccl":
-                moved = grid.to(self.device)
-                self._timed(dist.broadcast, moved, self.leader)
-                grid = moved.cpu()
-            else:
-                self._timed(dist.broadcast, grid, self.leader)
-        return grid
+    def send_tokens(self, grid: torch.Tensor) -> list[object]:
+        """The leader: its ``[rows, width]`` int32 table of what each sampling row emitted
+        to every other rank, without waiting; the sends' handles (wait on them before
+        the table is reused)."""
+        grid = grid.to(self.device) if self.backend == "nccl" else grid
+        return [dist.isend(grid, dst=r, tag=TOKENS_TAG) for r in range(self.layout.world_size) if r != self.leader]
+
+    def receive_tokens(self, rows: int, width: int) -> tuple[object, torch.Tensor]:
+        """Another rank: posts the receive of the leader's table (``send_tokens``);
+        returns its handle and the table it fills."""
+        grid = torch.empty(rows, width, dtype=torch.int32, device=self.device if self.backend == "nccl" else "cpu")
+        return dist.irecv(grid, src=self.leader, tag=TOKENS_TAG), grid
+
+    def wait(self, work: object) -> None:
+        """Waits for a send or receive (bounded by the group's timeout)."""
+        self._timed(work.wait)
 
     def close(self) -> None:
         if self.shm is not None:

@@ -14,6 +14,7 @@ thread (``worker/transport/compute_thread.py``), which also reads and answers th
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -26,27 +27,14 @@ import torch
 from worker.transport.compute_thread import ComputeThread
 from worker.config import WorkerConfig
 from worker.transport.protocol import Codec, WorkerInfo
-from worker.transport.step_channel import (
-    ChannelAddress,
-    StepChannel,
-    StepChannelServer,
-    StepFailed,
-    channel_host,
-    wait_ready,
-)
+from worker.transport.step_channel import ChannelAddress, StepChannelServer, channel_host
+
+
+logger = logging.getLogger("raydecode")
 
 
 class StaleStep(RuntimeError):
     """A step read from a step channel that a reset has closed since."""
-
-
-class GroupBroken(RuntimeError):
-    """A rank of this worker's model-parallel group failed or went away: the group
-    cannot step again (the driver replaces it whole)."""
-
-
-#: Frames the leader of a group sends its followers: a step message, or a reset.
-GROUP_STEP, GROUP_RESET = b"S", b"X"
 
 
 class Worker:
@@ -65,10 +53,6 @@ class Worker:
         self._channel: StepChannelServer | None = None
         #: bumped by each reset; a channel serves the generation it was opened in
         self._generation = 0
-        #: a group's leader: its channels to the group's other ranks
-        self._followers: list[StepChannel] = []
-        self._group_server: StepChannelServer | None = None  # a follower's, from its leader
-        self._broken: str | None = None  # why this group cannot step again
 
     def ready(self) -> dict[str, Any]:
         """Answers as soon as the actor runs: where it landed and how many cores that
@@ -111,10 +95,7 @@ class Worker:
         if self._runner is None:
             raise RuntimeError("step before load: call load(config) first")
         started = time.perf_counter()
-        step = self._codec.decode_step(message)
-        if self._followers:
-            return self._codec.encode(self._group_step(step, message, started))
-        reply = self._runner.execute(step, started)
+        reply = self._runner.execute(self._codec.decode_step(message), started)
         self._steps += 1
         return self._codec.encode(reply)
 
@@ -133,91 +114,32 @@ class Worker:
                                     timeout=datetime.timedelta(seconds=timeout_s))
         return f"tcp://{host}:{self._store.port}"
 
-    def open_group_channel(self) -> ChannelAddress:
-        """A follower rank: the channel its leader forwards the group's frames on."""
-        if self._compute is None:
-            raise RuntimeError("a group's rank needs its compute thread")
-        if self._group_server is not None:
-            self._group_server.close()
-        self._group_server = StepChannelServer(
-            lambda conn: self._compute.attach(conn, self._group_frame), channel_host()
-        )
-        return self._group_server.address
-
-    def _group_frame(self, frame: bytes) -> bytes:
-        """A follower runs what its leader forwards (it replies an empty ack)."""
-        kind, body = frame[:1], frame[1:]
-        if kind == GROUP_STEP:
-            self._step(body)
-        elif kind == GROUP_RESET:
-            self._reset()
-        else:
-            raise ValueError(f"unknown group frame {kind!r}")
-        return b""
-
-    def connect_group(self, addresses: list[ChannelAddress], timeout_s: float = 60.0) -> None:
-        """The leader: connects to its followers' group channels."""
-        self._followers = [StepChannel(tuple(a), send_timeout_s=timeout_s) for a in addresses]  # type: ignore[arg-type]
-        self._group_timeout_s = timeout_s
-
-    def _group_step(self, step: Any, message: bytes, started: float) -> Any:
-        """The leader runs a decoded step with its followers: forwards the raw message,
-        runs its own part, then reads every follower's ack. Anything but a step that
-        does not fit the batch (``ProtocolError``, raised by every rank alike before
-        any collective) breaks the group."""
-        from worker.transport.protocol import ProtocolError
-
-        if self._broken:
-            raise GroupBroken(self._broken)
-        try:
-            for follower in self._followers:
-                follower.send(GROUP_STEP + message)
-        except Exception as exc:
-            self._broken = f"a rank of the group went away ({exc})"
-            raise GroupBroken(self._broken) from None
-        try:
-            reply = self._runner.execute(step, started)
-        except ProtocolError:
-            self._collect_acks(expect_errors=True)
-            raise
-        except Exception as exc:
-            self._broken = f"the group's step failed: {exc!r}"
-            raise GroupBroken(self._broken) from None
-        self._collect_acks()
-        self._steps += 1
-        return reply
-
-    def _collect_acks(self, expect_errors: bool = False) -> None:
-        for follower in self._followers:
-            try:
-                if not wait_ready([follower.connection], self._group_timeout_s):
-                    raise TimeoutError(f"no answer within {self._group_timeout_s} s")
-                follower.receive()
-            except StepFailed as exc:
-                if expect_errors:
-                    continue
-                self._broken = f"a rank of the group failed: {exc}"
-                raise GroupBroken(self._broken) from None
-            except Exception as exc:
-                self._broken = f"a rank of the group went away ({exc!r})"
-                raise GroupBroken(self._broken) from None
-
-    def open_channel(self) -> ChannelAddress:
+    def open_channel(self, reply: bool = True) -> ChannelAddress:
         """Opens a step channel for one engine to connect to (a channel opened before
-        is closed); its steps run until the next reset."""
+        is closed); its steps run until the next reset. ``reply=False``: a rank of a
+        model-parallel group that is not its leader; it runs the steps sent to the
+        whole group and answers nothing (the leader answers for the group; a rank that
+        fails breaks the group's collectives, and the leader reports that)."""
         if self._compute is None:
             raise RuntimeError("this worker was started without a compute thread (step_channel off)")
         self._close_channel()
         generation = self._generation
         self._channel = StepChannelServer(
-            lambda conn: self._compute.attach(conn, lambda m: self._channel_step(m, generation)), channel_host()
+            lambda conn: self._compute.attach(conn, lambda m: self._channel_step(m, generation, reply)),
+            channel_host(),
         )
         return self._channel.address
 
-    def _channel_step(self, message: bytes, generation: int) -> bytes:
+    def _channel_step(self, message: bytes, generation: int, reply: bool = True) -> bytes | None:
         if generation != self._generation:  # read before a reset that ran first
             raise StaleStep("the step channel was closed by a reset")
-        return self._step(message)
+        if reply:
+            return self._step(message)
+        try:
+            self._step(message)
+        except Exception:
+            logger.exception("a step of this group's rank failed")
+        return None
 
     def health(self) -> dict[str, Any]:
         runner = self._runner
@@ -257,16 +179,6 @@ class Worker:
 
     def _reset(self) -> None:
         self._generation += 1
-        if self._followers:
-            if self._broken:
-                raise GroupBroken(self._broken)
-            try:
-                for follower in self._followers:
-                    follower.send(GROUP_RESET)
-            except Exception as exc:
-                self._broken = f"a rank of the group went away ({exc})"
-                raise GroupBroken(self._broken) from None
-            self._collect_acks()
         if self._runner is not None:
             self._runner.reset()
 

@@ -51,7 +51,8 @@ class ComputeThread:
 
     def attach(self, conn: Connection, handle: Callable[[bytes], bytes]) -> None:
         """Serves ``conn`` from now on: each frame read is answered with ``REPLY`` +
-        ``handle(frame)``, or ``ERROR`` + the exception's text when it raised. Another
+        ``handle(frame)`` (nothing when it returns None), or ``ERROR`` + the
+        exception's text when it raised. Another
         connection attached before is closed. Call it from any thread."""
         self.submit(self._attach, conn, handle)
 
@@ -97,7 +98,10 @@ class ComputeThread:
             self._detach()
             return
         try:
-            out = REPLY + self._handle(frame)
+            answer = self._handle(frame)
+            if answer is None:  # a frame that wants no reply
+                return
+            out = REPLY + answer
         except Exception as exc:
             out = ERROR + repr(exc).encode("utf-8", "replace")
         try:

@@ -156,6 +156,9 @@ class StepRequest(msgspec.Struct, kw_only=True, frozen=True, tag="step"):
     num_scheduled_tokens: Int32Array = EMPTY_I32
     num_new_blocks: Int32Array = EMPTY_I32  # per row, batch_size entries (or none)
     new_block_ids: Int32Array = EMPTY_I32
+    #: for the ranks of a model-parallel group that do not sample: the newest earlier
+    #: step whose sampled tokens this step's rows need (they collect those first); -1: none
+    needs_tokens_of: int = -1
 
 
 # -- worker -> driver ------------------------------------------------------------------
