@@ -22,6 +22,7 @@ import os
 import signal
 
 import pytest
+import ray
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from cluster import LLM, RequestOutput
 from helpers import prompts
 from sampler.params import SamplingParams
+from worker.cpu.shm_allreduce import ShmAllReduce
 from worker.runner.parallel_layout import (
     ModelShape,
     ParallelSizeError,
@@ -237,13 +239,36 @@ def single(ray_local, tiny_model_path, workload):
 def test_a_split_model_answers_as_one_worker(ray_local, tiny_model_path, workload, single, tp, pp):
     llm = LLM(tiny_model_path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
     try:
-        assert len(llm.engine.workers[0].ranks) == tp * pp
+        group = llm.engine.workers[0]
+        assert len(group.ranks) == tp * pp
+        described = [ray.get(r.actor.health.remote(), timeout=60)["group"] for r in group.ranks]
+        assert [d["rank"] for d in described] == list(range(tp * pp))
+        if tp > 1 and ShmAllReduce.available():  # one node: the shared-memory path
+            assert {d["all_reduce"] for d in described} == {"shared memory"}
         got = llm.generate(*workload, use_tqdm=False)
         stats = llm.engine.stats
     finally:
         llm.shutdown()
     assert compare(single, got) <= 1
     assert 0 < stats.collective < stats.forward + stats.sample
+
+
+def test_speculative_decoding_through_a_group(ray_local, tiny_model_path):
+    """n-gram drafts on every rank alike, the leader's rejection sampler deciding: the
+    same greedy tokens as one worker with the same drafts."""
+    ps = [p * 3 for p in prompts(VOCAB, [6, 9, 4], seed=41)]  # repeats: drafts that match
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+    def run(**split):
+        llm = LLM(tiny_model_path, num_spec_tokens=3, **ENGINE, **split)
+        try:
+            out = llm.generate(ps, greedy, use_tqdm=False)
+            return out, llm.engine.metrics.snapshot().spec_decode_num_accepted_tokens
+        finally:
+            llm.shutdown()
+
+    (ref, _), (got, accepted) = run(), run(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert compare(ref, got) <= 1 and accepted > 0
 
 
 def test_one_batch_through_the_pipeline_is_bit_identical(ray_local, tiny_model_path, workload):

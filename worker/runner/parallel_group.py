@@ -163,6 +163,12 @@ class ParallelGroup:
         """Waits for a send or receive (bounded by the group's timeout)."""
         self._timed(work.wait)
 
+    def describe(self) -> dict[str, object]:
+        lay = self.layout
+        return {"rank": lay.rank, "tp_rank": lay.tp_rank, "pp_rank": lay.pp_rank, "backend": self.backend,
+                "all_reduce": "shared memory" if self.shm is not None else self.backend,
+                "layers": [lay.first_layer, lay.first_layer + lay.num_layers]}
+
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()

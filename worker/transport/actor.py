@@ -153,6 +153,8 @@ class Worker:
             "batch_size": runner.batch.batch_size if runner else 0,
             "model": runner.info.model_name if runner else None,
             "device": runner.info.device if runner else None,
+            # a rank of a model-parallel group: its place and how its all-reduce runs
+            "group": runner.group.describe() if runner is not None and runner.group is not None else None,
         }
 
     def memory(self) -> dict[str, int]:
