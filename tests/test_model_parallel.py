@@ -154,6 +154,13 @@ def test_tensor_shards_put_back_together_are_the_checkpoint(tiny_model_path, ful
         assert torch.equal(torch.cat([kv[0], kv[2]]), full.self_attn.k_proj.weight)
     head = torch.cat([m.lm_head.weight for m, _, _ in shards])
     assert torch.equal(head[:VOCAB], full_model.lm_head.weight) and not head[VOCAB:].any()
+    # Resident layer weights: 1/tp of the model's per rank, but for replicated KV heads
+    def layer_weights(m):
+        return sum(p.numel() for n, p in m.named_parameters() if ".layers." in n and "norm" not in n)
+
+    kv = sum(l.self_attn.k_proj.weight.numel() + l.self_attn.v_proj.weight.numel() for l in full_model.model.layers)
+    copies = max(1, tp // full_model.config.num_key_value_heads)  # ranks holding each KV head
+    assert sum(layer_weights(m) for m, _, _ in shards) == layer_weights(full_model) + (copies - 1) * kv
     for m, layout, loaded in shards:
         assert loaded.vocab_size == full_model.config.vocab_size  # the logits gathered, not a slice
         assert m.config.num_attention_heads == 4 // tp and not m.config.tie_word_embeddings
