@@ -652,6 +652,8 @@ class LLMEngine:
             "warnings": self.pool.problems(),
             "live_workers": sum(w.live for w in workers),
             "ranks_per_worker": self.pool.group_size,
+            # what each live worker's KV pool holds (a group: its smallest rank's pool)
+            "kv_tokens_per_worker": [w.scheduler.kv_blocks * c.kv_block_size for w in workers if w.live],
             # a worker short of num_workers (a lost one, or a group that lost a rank, is
             # being replaced): serving, at less than full strength
             "degraded": sum(w.live for w in workers) < c.num_workers,

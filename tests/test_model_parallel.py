@@ -439,3 +439,43 @@ def test_smollm2_served_with_tp_3_answers_the_openai_api(ray_local):
 
         health = httpx.get(f"{server}/health", timeout=30).json()
         assert health["ranks_per_worker"] == 3 and health["live_workers"] == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_group_of_one_rank_runs_the_shard_path(tiny_model_path, device):
+    """The group code path in one process: a shard of the whole model (TP=PP=1) behind a
+    one-rank process group (gloo; NCCL on a GPU machine, which has one GPU) gives the
+    plain worker's greedy tokens."""
+    import datetime
+
+    import msgspec
+    import torch.distributed as dist
+
+    from helpers import make_worker
+    from worker.config import WorkerConfig
+    from worker.transport.actor import Worker
+    from worker.transport.protocol import GroupRank
+    from worker_driver import MiniDriver
+
+    ps = prompts(VOCAB, [5, 40, 12], seed=51)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(worker: Worker) -> dict[str, list[int]]:
+        d = MiniDriver(worker.step, max_rows=4, token_budget=64, chunk=32, num_blocks=worker._runner.kv.num_blocks)
+        for i, p in enumerate(ps):
+            d.submit(f"r{i}", p, greedy, arrival_step=i)
+        return {rid: r.output for rid, r in d.run().items()}
+
+    ref = run(make_worker(tiny_model_path, device=device))
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    worker = Worker()
+    rank = GroupRank(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{store.port}", timeout_s=30)
+    worker.load(WorkerConfig(model=tiny_model_path, device=device, max_num_seqs=4, max_model_len=256),
+                msgspec.msgpack.encode(rank))
+    try:
+        assert worker._runner.group is not None
+        assert worker._runner.group.backend == ("nccl" if device == "cuda" else "gloo")
+        assert run(worker) == ref
+    finally:
+        worker._runner.group.close()
