@@ -112,15 +112,11 @@ def load_model(
     max_model_len: int | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dev = choose_device(device)
     torch_dtype = choose_dtype(dev, dtype)
-    path, name, kwargs = resolve_model(model, trust_remote_code)
-    try:
-        config = AutoConfig.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
+    path, name, kwargs, config = load_config(model, trust_remote_code)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs
@@ -154,6 +150,18 @@ def finish_loading(hf_model: torch.nn.Module, config: Any, path: str, name: str,
     elif max_model_len > limit:
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
     return LoadedModel(hf_model, tokenizer, name, dev, torch_dtype, vocab, eos, max_model_len)
+
+
+def load_config(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any], Any]:
+    """``resolve_model``'s (folder, display name, keyword arguments) and the model's
+    transformers config."""
+    from transformers import AutoConfig
+
+    path, name, kwargs = resolve_model(model, trust_remote_code)
+    try:
+        return path, name, kwargs, AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
 
 
 def resolve_model(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:

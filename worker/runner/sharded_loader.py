@@ -40,7 +40,7 @@ from worker.runner.model_loader import (
     choose_device,
     choose_dtype,
     finish_loading,
-    resolve_model,
+    load_config,
 )
 from worker.runner.parallel_layout import (
     ModelShape,
@@ -173,28 +173,14 @@ def load_model_shard(
 ) -> tuple[LoadedModel, RankLayout]:
     """Global rank ``rank``'s part of ``model`` (see the module docstring); its
     ``vocab_size`` is the whole vocabulary (what the gathered logits hold)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     dev = choose_device(device)
     torch_dtype = choose_dtype(dev, dtype)
-    path, name, kwargs = resolve_model(model, trust_remote_code)
-    try:
-        config = AutoConfig.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
-    family = SHARDABLE.get(getattr(config, "model_type", None))
-    if family is None or family not in (getattr(config, "architectures", None) or [family]):
-        raise ModelLoadError(
-            f"{name}: tensor and pipeline parallelism support {sorted(SHARDABLE.values())}, "
-            f"not {getattr(config, 'architectures', None) or config.model_type}"
-        )
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    try:
-        shape = check_parallel_sizes(config, tp, pp, pipeline_layer_partition)
-        layout = rank_layout(shape, tp, pp, rank, parse_partition(pipeline_layer_partition))
-    except ParallelSizeError as exc:
-        raise ModelLoadError(f"{name}: {exc}") from None
+    path, name, kwargs, config, shape = _shardable(model, tp, pp, pipeline_layer_partition, trust_remote_code)
+    layout = rank_layout(shape, tp, pp, rank, parse_partition(pipeline_layer_partition))
     local = local_config(config, layout)
     with no_init_weights():
         hf_model = AutoModelForCausalLM.from_config(local, dtype=torch_dtype, attn_implementation=attn_implementation,
@@ -250,19 +236,22 @@ def check_model_parallel(model: str | None, tensor_parallel_size: int, pipeline_
     """The driver's check before any rank starts: the model's family shards and its
     heads, MLP and layers divide (``ModelLoadError``, a ``ValueError``, saying why and
     which sizes work)."""
-    from transformers import AutoConfig
+    return _shardable(model, tensor_parallel_size, pipeline_parallel_size, pipeline_layer_partition,
+                      trust_remote_code)[4]
 
-    path, name, kwargs = resolve_model(model, trust_remote_code)
-    try:
-        config = AutoConfig.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
-    if SHARDABLE.get(getattr(config, "model_type", None)) is None:
+
+def _shardable(model: str | None, tp: int, pp: int, partition: str | None,
+               trust_remote_code: bool) -> tuple[str, str, dict[str, Any], Any, ModelShape]:
+    """The model's (folder, name, keyword arguments, config, shape), once its family
+    and sizes are known to split ``tp x pp`` ways."""
+    path, name, kwargs, config = load_config(model, trust_remote_code)
+    family = SHARDABLE.get(getattr(config, "model_type", None))
+    if family is None or family not in (getattr(config, "architectures", None) or [family]):
         raise ModelLoadError(
             f"{name}: tensor and pipeline parallelism support {sorted(SHARDABLE.values())}, "
             f"not {getattr(config, 'architectures', None) or config.model_type}"
         )
     try:
-        return check_parallel_sizes(config, tensor_parallel_size, pipeline_parallel_size, pipeline_layer_partition)
+        return path, name, kwargs, config, check_parallel_sizes(config, tp, pp, partition)
     except ParallelSizeError as exc:
         raise ModelLoadError(f"{name}: {exc}") from None
