@@ -166,7 +166,7 @@ def _absent_peer(shm, rank, world, absent, timeout):
 
 
 def _pinned(shm, rank, world, seed, calls):
-    os.sched_setaffinity(0, {0})  # every rank on one core: progress needs the yields
+    os.sched_setaffinity(0, {0})  # every rank on one core: waits must sleep, and be woken
     start = time.monotonic()
     problems, h = _many_calls(shm, rank, world, seed, calls)
     return problems, h, time.monotonic() - start
@@ -212,7 +212,8 @@ def test_large_message_with_the_default_chunk(tmp_path):
 
 
 def test_three_ranks_on_one_core(tmp_path):
-    """More ranks than cores (here all on core 0): waits must give the core away."""
+    """More ranks than cores (here all on core 0): waits must give the core away and
+    be woken when the peer publishes (a lost wake-up costs a 100 ms sleep)."""
     results = run_ranks(_pinned, 3, tmp_path, seed=11, calls=60)
     for rank in range(3):
         problems, _, seconds = results[rank]

@@ -4,7 +4,9 @@ The ranks (separate processes) map one file under ``/dev/shm``; each call copies
 rank's tensor into its buffer there, waits for the others' and sums every rank's in
 rank order, so all ranks get bit-identical results (``csrc/shm_allreduce.cpp`` has the
 protocol and why it is safe). Decode-sized messages take a few microseconds where gloo
-over loopback TCP takes tens (``tests/bench/allreduce.py``).
+over loopback TCP takes hundreds on the 2-core VM (``tests/bench/allreduce.py``). A
+waiting rank spins ~25 us, then sleeps on a futex until its peer publishes, so ranks
+may share cores (slower, still correct).
 
 Use::
 

@@ -5,7 +5,8 @@
 // Segment layout (every rank maps the same file; offsets from its start):
 //   [0, 64)          header: magic, world size, chunk bytes (checked on attach)
 //   slot (r, b)      at kSlotBase + (2r + b) * kSlotStride: rank r's stamp for buffer b
-//                    (64-bit sequence number) and what the call was (bytes, dtype). One
+//                    (64-bit sequence number), what the call was (bytes, dtype) and how
+//                    many ranks sleep waiting for it (the futex: see wait). One
 //                    slot per 128 bytes: no two ranks' stamps share a cache line (nor a
 //                    pair of lines, which adjacent-line prefetchers fetch together).
 //   buffer (r, b)    at data_offset + (2r + b) * chunk_bytes: rank r's copy of its chunk.
@@ -13,7 +14,7 @@
 // Protocol. A rank's k-th chunk, over all its calls, has sequence number s = k (from 1)
 // and uses buffer b = s & 1. For it the rank
 //   1. copies its chunk into buffer (rank, b),
-//   2. publishes stamp (rank, b) = s with a release store,
+//   2. publishes stamp (rank, b) = s with a release (seq_cst) store,
 //   3. waits until stamp (r, b) >= s for every other rank r (acquire loads),
 //   4. sums the chunks of ranks 0, 1, ..., world - 1 in that order into its tensor.
 // Why it is safe: step 3's acquire pairs with r's release in step 2, so r's chunk s is
@@ -29,20 +30,34 @@
 //
 // All ranks must make the same calls (same byte size and dtype) in the same order, as
 // with any collective; the slot's byte size and dtype turn a mismatch into an error
-// instead of a wrong sum. Waiting spins on a pause instruction, then yields the CPU
-// between checks (ranks may share cores), and throws ShmTimeout once a wait outlasts the
+// instead of a wrong sum. Waiting spins on a pause instruction for a while (a peer on
+// its own core arrives within microseconds), then sleeps on a futex on the peer's stamp
+// (ranks may share cores with each other or with other work: the sleeper's core goes to
+// them, and the publisher wakes it), and throws ShmTimeout once a wait outlasts the
 // timeout (a dead peer): the survivors raise instead of hanging. After any error the
 // instance is out of step with its peers and refuses further calls.
+//
+// Why a futex rather than sched_yield between checks: a yield on a busy core hands it
+// away for a whole time slice. On the 2-core VM with other work running, [1, 576]
+// float32 calls between 2 ranks took ~115 us with ~100 us of spinning before the yields
+// (several times more with less spinning), ~35 us with ~25 us of spinning before the
+// futex (tests/bench/allreduce.py); ~2 us either way when the ranks have their cores.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <sched.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -61,10 +76,10 @@ using raydecode::to_float;
 
 constexpr uint64_t kMagic = 0x52445348'4D415231ull;  // "RDSHMAR1"
 constexpr int64_t kSlotBase = 64, kSlotStride = 128, kPage = 4096;
-// Pause-spins before the first yield: ~100 us on a CPU whose pause takes ~25 ns. A
-// yield costs a syscall when the core is free and a whole time slice when it is not, so
-// a peer that is running (the usual case: its own cores) is waited for by spinning.
-constexpr int64_t kSpins = 4096;
+// Pause-spins before sleeping: ~25 us where a pause takes ~25 ns (AMD Zen), ~50 us on
+// recent Intel cores.
+constexpr int64_t kSpins = 1024;
+constexpr int64_t kMaxSleepNs = 100'000'000;  // longest single sleep (the deadline is checked after each)
 constexpr int64_t kBlock = 256;      // elements summed per pass of the reduce
 constexpr int64_t kGrain = 1 << 15;  // elements per thread: decode-sized calls stay on one
 
@@ -75,10 +90,34 @@ struct Header {
 };
 
 struct Slot {
-  uint64_t seq;    // written with release stores, read with acquire loads
-  uint64_t bytes;  // the call's total bytes and dtype: plain fields, ordered by seq
+  uint64_t seq;       // atomic: the publisher's seq_cst store, waiters' acquire loads
+  uint64_t bytes;     // the call's total bytes and dtype: plain fields, ordered by seq
   uint64_t dtype;
+  uint32_t sleepers;  // atomic: ranks asleep (or about to be) on this slot's futex word
 };
+
+// The futex word: seq's low 32 bits, which change with every publication (seq grows by
+// 2 per use of a slot).
+inline uint32_t* futex_word(Slot* slot) {
+  return reinterpret_cast<uint32_t*>(&slot->seq) + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__ ? 1 : 0);
+}
+
+// Sleeps until *word may differ from `seen` (a wake, or it already does), at most ns
+// nanoseconds; elsewhere than Linux, a yield.
+inline void futex_sleep(uint32_t* word, uint32_t seen, int64_t ns) {
+#ifdef __linux__
+  struct timespec ts = {time_t(ns / 1'000'000'000), long(ns % 1'000'000'000)};
+  syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, nullptr, 0);  // not _PRIVATE: other processes wake it
+#else
+  sched_yield();
+#endif
+}
+
+inline void futex_wake(uint32_t* word) {
+#ifdef __linux__
+  syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+#endif
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -193,7 +232,11 @@ class ShmAllReduceSegment {
       Slot* mine = slot(rank_, b);
       mine->bytes = total;
       mine->dtype = dtype;
-      __atomic_store_n(&mine->seq, s, __ATOMIC_RELEASE);  // 2. publish
+      // 2. publish. Store-then-load, both seq_cst, against the sleeper's increment-then-
+      // load (wait): either it sees s and does not sleep, or we see it and wake it (and
+      // a wake before its FUTEX_WAIT finds the word changed: no sleep either).
+      __atomic_store_n(&mine->seq, s, __ATOMIC_SEQ_CST);
+      if (__atomic_load_n(&mine->sleepers, __ATOMIC_SEQ_CST) != 0) futex_wake(futex_word(mine));
       for (int64_t r = 0; r < world_; ++r) {               // 3. everyone else's
         if (r != rank_) wait(r, b, s, total, dtype, timeout_s);
         src[r] = r == rank_ ? data + start : reinterpret_cast<const T*>(buffer(r, b));
@@ -209,12 +252,16 @@ class ShmAllReduceSegment {
       cpu_relax();
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-    while (true) {  // the clock (tens of ns) is cheap next to a yield
+    while (true) {
       if (__atomic_load_n(&other->seq, __ATOMIC_ACQUIRE) >= s) return check(other, r, total, dtype);
-      if (std::chrono::steady_clock::now() > deadline)
+      const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - std::chrono::steady_clock::now()).count();
+      if (left <= 0)
         throw ShmTimeout(c10::str("shm all-reduce: timed out after ", timeout_s, " s waiting for rank ", r,
                                   " (a peer died or stopped calling)"));
-      sched_yield();
+      __atomic_fetch_add(&other->sleepers, 1, __ATOMIC_SEQ_CST);
+      const uint64_t seen = __atomic_load_n(&other->seq, __ATOMIC_SEQ_CST);
+      if (seen < s) futex_sleep(futex_word(other), uint32_t(seen), std::min(left, kMaxSleepNs));
+      __atomic_fetch_sub(&other->sleepers, 1, __ATOMIC_SEQ_CST);
     }
   }
 
