@@ -539,7 +539,7 @@ def rank_resources(config: EngineConfig, cluster_gpus: float) -> dict[str, Any]:
 def resources_bundle(resources: dict[str, Any]) -> dict[str, float]:
     """``rank_resources`` as a placement-group bundle."""
     merged = {"CPU": resources["num_cpus"], "GPU": resources["num_gpus"], **resources["resources"]}
-    return {k: float(v) for k, v in merged.items() if v}
+    return {k: v for k, v in merged.items() if v}
 
 
 def serve_bundles(config: EngineConfig, cluster_gpus: float, replica_cpus: float = 0.001) -> list[dict[str, float]]:

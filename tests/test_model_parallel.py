@@ -381,7 +381,7 @@ def test_sizes_that_cannot_work_are_refused_before_anything_starts(ray_local, ti
 
 
 def test_a_group_that_cannot_be_placed_says_what_it_asked_for(ray_local, tiny_model_path):
-    with pytest.raises(RuntimeError, match=r"its 2 ranks ask for \{'CPU': 0.5, 'nowhere': 1.0\} each "
+    with pytest.raises(RuntimeError, match=r"its 2 ranks ask for \{'CPU': 0.5, 'nowhere': 1\} each "
                                            r"\(PACK placement group\); the cluster has"):
         LLM(tiny_model_path, tensor_parallel_size=2, worker_resources={"nowhere": 1}, placement_report_s=1,
             worker_start_timeout_s=3)
