@@ -439,10 +439,7 @@ class LLMEngine:
         """Schedules and sends ``slot``'s next step; False when there was nothing to
         send (or it could not be sent)."""
         t0 = time.perf_counter()
-        cap = None
-        if self.pipeline_in_flight > 1:  # the steps in flight split the sequences evenly
-            cap = max(1, math.ceil((slot.scheduler.num_running + len(self.waiting)) / self.pipeline_in_flight))
-        step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here, cap)
+        step, preempted = slot.scheduler.schedule(self.waiting, share, self._routes_here)
         t1 = time.perf_counter()
         self.stats.schedule += t1 - t0
         for seq in preempted:

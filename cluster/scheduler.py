@@ -210,22 +210,19 @@ class WorkerScheduler:
         waiting: WaitingQueue,
         share: int,
         admit: Callable[[Sequence, "WorkerScheduler"], bool] | None = None,
-        max_rows_scheduled: int | None = None,
     ) -> tuple[ScheduledStep | None, list[Sequence]]:
         """The next step (None when there is nothing to send) and the sequences preempted
         while building it (already pushed back onto ``waiting``). ``share`` caps how many
         sequences this worker may hold, so data-parallel workers split the load;
         ``admit(seq, self)`` may leave a waiting sequence to another worker (prefix
-        routing). ``max_rows_scheduled`` caps the sequences that run in this step (a
-        pipeline-parallel worker splits its sequences among the steps it keeps in flight)."""
+        routing)."""
         budget = self.token_budget
-        cap = max_rows_scheduled if max_rows_scheduled is not None else self.max_rows
         planned: dict[int, int] = {}  # id(seq) -> tokens
         preempted: list[Sequence] = []
         self._new_blocks = {}
 
         running = sorted(self.running, key=lambda s: s.sort_key)
-        while running and budget > 0 and len(planned) < cap:
+        while running and budget > 0:
             seq = running.pop(0)
             if seq.ends_in_flight:
                 continue  # its last token is being sampled; the reply will free it
@@ -253,7 +250,7 @@ class WorkerScheduler:
         # A suspect (it was in a failed step) runs alone until it gets past that point.
         alone = any(s is not None and s.suspect for s in self.rows)
         passed_over: list[Sequence] = []
-        while (waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted and len(planned) < cap
+        while (waiting and budget > 0 and num_held < min(self.max_rows, share) and not preempted
                and not alone and len(passed_over) < MAX_PASSED_OVER):
             seq = waiting.peek()
             if seq.suspect and num_held:
