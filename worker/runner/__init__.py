@@ -5,4 +5,7 @@ embedded default), ``input_batch`` (the persistent batch following each
 packed tokens map onto rows, blocks and slots), ``attention`` (the paged attention
 transformers calls, and its torch reference path), ``backend`` (what runs a step on the
 device: the CPU kernels or the torch paths), ``structured_output`` (grammar-constrained
-decoding with llguidance) and ``ngram_proposer`` (prompt-lookup drafts)."""
+decoding with llguidance), ``ngram_proposer`` (prompt-lookup drafts), and model
+parallelism: ``parallel_layout`` (which part of the model each rank of a group holds),
+``sharded_loader`` (a rank's shard from the checkpoint) and ``parallel_group`` (the
+group's collectives)."""
