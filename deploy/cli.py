@@ -198,6 +198,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--structured-outputs-config", type=_json_of(dict), default=None, metavar="JSON",
                    help='defaults for JSON constraints: {"disable_any_whitespace": true, '
                         '"disable_additional_properties": true}')
+    r = srv.add_argument_group("engine replicas: how many, how they scale, how they drain (Serve's settings)")
+    r.add_argument("--num-replicas", type=int, default=None, help="fixed engine replicas (default 1)")
+    r.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale the engine replicas between --min-replicas and --max-replicas")
+    r.add_argument("--max-replicas", type=int, default=None)
+    r.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="requests in flight per replica the autoscaler aims for (Serve's default: 2)")
+    r.add_argument("--autoscaling-config", type=_json_of(dict), default=None, metavar="JSON",
+                   help="Serve's whole autoscaling_config, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, "
+                        "\"upscale_delay_s\": 5}' (the flags above override its keys)")
+    r.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
+                   help="a replica leaving finishes its in-flight requests for up to this long (default 60)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None, help="per replica, in the engine at once")
+    r.add_argument("--max-queued-requests", type=int, default=None, help="waiting for a replica; beyond: 503")
     _engine_flags(srv)
 
     bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
@@ -240,6 +254,36 @@ def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
         except ValidationError as exc:
             ap.error(f"--structured-outputs-config: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
         out["structured_outputs_config"] = args.structured_outputs_config
+    return out
+
+
+def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The replica part of ``ServerArgs`` (bad values exit 2, naming the flag)."""
+    out: dict[str, Any] = {}
+    scaling = dict(args.autoscaling_config or {})
+    for flag in ("min_replicas", "max_replicas", "target_ongoing_requests"):
+        if getattr(args, flag) is not None:
+            scaling[flag] = getattr(args, flag)
+    if scaling:
+        if args.num_replicas is not None:
+            ap.error("--num-replicas fixes the replicas; --min-replicas/--max-replicas/--autoscaling-config scale "
+                     "them: give one or the other")
+        out["autoscaling_config"] = scaling
+    elif args.num_replicas is not None:
+        out["num_replicas"] = args.num_replicas
+    for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests"):
+        if getattr(args, flag) is not None:
+            out[flag] = getattr(args, flag)
+    from pydantic import ValidationError
+
+    from deploy.serve import ServerArgs
+
+    try:
+        ServerArgs.model_validate(out)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "replica flags"
+        ap.error(f"{where}: {str(first['msg']).removeprefix('Value error, ')}")
     return out
 
 
@@ -349,7 +393,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
     engine = engine_kwargs(args)
-    api = _api_args(ap, args)
+    api = _api_args(ap, args) | _replica_args(ap, args)
     if args.model_tag is not None:
         if engine.get("model") not in (None, args.model_tag):
             ap.error(f"two models given: {args.model_tag} and --model {engine['model']}")

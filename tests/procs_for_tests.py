@@ -6,6 +6,8 @@ module of its own (not a test file).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from sampler.logits_processor import AdapterLogitsProcessor, LogitsProcessor
@@ -231,3 +233,24 @@ class HangProc(FlaggedRowsProc):
         import time
 
         time.sleep(3600)
+
+
+class SlowStepAdapter(AdapterLogitsProcessor):
+    """Per-request: sleeps ``step_sleep_ms`` (a request's ``vllm_xargs``) at each of its
+    steps and changes nothing, so a stream lasts as long as a test needs whatever the
+    machine's speed (draining, scaling and fault tests). Argmax-invariant: the output is
+    the model's own."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it must run for the rows that ask, greedy or not
+
+    def new_req_logits_processor(self, params):
+        sleep_ms = (params.extra_args or {}).get("step_sleep_ms")
+        if not sleep_ms:
+            return None
+
+        def slow(output_ids, logits_row):
+            time.sleep(float(sleep_ms) / 1000)
+            return logits_row
+
+        return slow

@@ -267,7 +267,7 @@ def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
         # Direct ingress: the Serve replica itself listens on --port, not Serve's proxy.
         holders = {c.pid for c in psutil.net_connections(kind="tcp")
                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-        assert [_cmdline(psutil.Process(pid)).split()[0] for pid in holders] == ["ray::ServeReplica:raydecode:OpenAIServer"]
+        assert [_cmdline(psutil.Process(pid)).split()[0] for pid in holders] == ["ray::ServeReplica:raydecode:OpenAIIngress"]
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == "tiny"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from deploy.serve import OpenAIServer, ServerArgs
+from deploy.serve import build_app
 from helpers import TEMPLATE, free_port
 from hf_reference import HFReference
 
@@ -37,16 +37,13 @@ def server(ray_local, tiny_model_path):
     whose ``vllm_xargs`` say ``ban_last``."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = ServerArgs.model_validate({
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    app = build_app({
         "model": tiny_model_path, "served_model_name": "tiny", "api_key": KEY, "chat_template": TEMPLATE,
         "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1,
                    "logits_processors": ["procs_for_tests:BanLastTokenAdapter"]},
+        "max_ongoing_requests": 32, "max_queued_requests": 64, "runtime_env": {"env_vars": {"PYTHONPATH": path}},
     })
-    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    app = OpenAIServer.options(
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"PYTHONPATH": path}}},
-        max_ongoing_requests=32, max_queued_requests=64,
-    ).bind(args.model_dump())
     serve.run(app, name="api", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

@@ -1,0 +1,456 @@
+"""One model's engine as a Serve deployment: ``AsyncLLM`` behind the OpenAI protocol,
+called by the ingress (``deploy/ingress.py``) through a deployment handle, never over
+HTTP itself (Ray Serve LLM's ``LLMServer``).
+
+The ingress has already parsed and validated each body (the pydantic models of
+``deploy/openai/protocol.py``) and checked the API key and the model name; here the body
+becomes sampling parameters and prompts (tokenized, chat-rendered), runs in the engine,
+and comes back as the response. Each generation method is a stream: its first item is a
+``Reply`` (an error's status and body, a whole JSON response, or "a stream follows"),
+then, when streaming, the server-sent-event text, several events joined per item so a
+busy stream crosses from this replica to the ingress once per engine step, not once per
+token. A client that leaves cancels the ingress's call, which cancels this generator,
+which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import psutil
+from openai.types import Model
+from pydantic import ValidationError
+
+from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.outputs import RequestOutput
+from deploy.metrics import metrics_registry
+from deploy.openai.errors import APIError, bad_request
+from deploy.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from deploy.openai.responses import TokenText, new_id
+from deploy.openai.serving_chat import ChatChunks, chat_response
+from deploy.openai.serving_completion import CompletionChoices, completion_chunks, completion_response
+from deploy.openai.structured import Constraint
+from deploy.openai.tools import ApiOptions
+from sampler.params import StructuredOutputsParams, check_text
+
+
+class Reply(msgspec.Struct, frozen=True):
+    """The head of a response: ``status`` with a JSON ``body``, or (``stream``) the
+    server-sent-event text follows in the next items."""
+
+    status: int = 200
+    body: Any = None
+    stream: bool = False
+
+
+def error_reply(exc: APIError) -> Reply:
+    return Reply(status=exc.status, body=exc.body())
+
+
+def _sse(payload: Any) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_unset=True)
+    return f"data: {data}\n\n"
+
+
+async def _run_all(awaitables: list[Any]) -> list[Any]:
+    """Runs ``awaitables`` together; if one fails or the caller is cancelled (the
+    client left), the others are cancelled and awaited before this returns, so every
+    stream they were reading is closed (and its request aborted)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_DONE = object()
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) pairs from several streams, as they come. However it
+    ends (all done, an error, the consumer cancelled or closed it), every reader task
+    is cancelled and awaited and every stream closed: nothing is left running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out, None))
+            await queue.put((i, _DONE, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the consumer
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is _DONE:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            try:
+                await s.aclose()
+            except Exception:  # closing must not stop the others from closing
+                pass
+
+
+async def coalesce(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events`` joined: each item is everything produced since the last one was
+    taken, so a reader slower than the stream gets one item per wake-up instead of a
+    queue of small ones. Closing this closes ``events``."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for event in events:
+                queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the reader
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(_DONE)
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            parts = [await queue.get()]
+            while not queue.empty():
+                parts.append(queue.get_nowait())
+            done = parts[-1] is _DONE or isinstance(parts[-1], BaseException)
+            text = "".join(p for p in (parts[:-1] if done else parts))
+            if text:
+                yield text
+            if done:
+                if isinstance(parts[-1], BaseException):
+                    raise parts[-1]
+                return
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await events.aclose()
+
+
+class EngineServer:
+    """One engine (its workers, scheduler and tokenizer) serving the OpenAI protocol
+    for one model. ``args`` are ``ServerArgs`` as a dict."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        from deploy.serve import ServerArgs  # the argument model lives with the builders
+
+        self.args = ServerArgs.model_validate(args)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        self.llm = AsyncLLM(self.args.model, num_workers=self.args.num_workers, **self.args.engine)
+        self.model_name = self.args.model_id()
+        self.created = int(time.time())
+        self.registry = metrics_registry(self.llm.engine, self.model_name)
+        self.api_options = ApiOptions(
+            structured_defaults=self.args.structured_outputs_config.model_dump(),
+            tool_call_parser=self.args.tool_call_parser, enable_auto_tool_choice=self.args.enable_auto_tool_choice,
+            max_tools=self.args.max_tools,
+            exclude_tools_when_tool_choice_none=self.args.exclude_tools_when_tool_choice_none,
+            max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
+        )
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when this raises: the engine loop stopped or is
+        stuck, no worker alive for ``no_worker_timeout_s``, no progress while requests
+        wait (``AsyncLLM.check_health``)."""
+        self.llm.check_health()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    def _token_text(self, body: SamplingFields) -> TokenText:
+        tokenizer = self.tokenizer
+        return TokenText(lambda t: tokenizer.decode([t]), bool(body.return_tokens_as_token_ids))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Text to token ids within the prompt size bound (on the input thread)."""
+        check_text("prompt", text)
+        self.llm.engine.prompt_budget.check_chars("prompt", len(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) if text else []
+
+    def _shape_prompt(self, prompt: Any, body: SamplingFields) -> Any:
+        """A prompt as ``body`` asks: tokenized with or without special tokens, and cut
+        to ``truncate_prompt_tokens`` (vLLM: the last ones, or the first with
+        ``truncation_side: right``; -1 is max_model_len). Runs on the input thread."""
+        add_special = body.add_special_tokens_or_default()
+        truncate = body.truncate_prompt_tokens
+        if isinstance(prompt, dict):  # a rendered conversation
+            text, ids = prompt["prompt"], prompt["prompt_token_ids"]
+            if add_special:
+                ids = self._encode(text, True)
+        elif isinstance(prompt, str):
+            if add_special and truncate is None:
+                return prompt  # the engine tokenizes it exactly so
+            text, ids = prompt, self._encode(prompt, add_special)
+        else:
+            text, ids = None, list(prompt)
+        if truncate is not None:
+            keep = self.llm.engine.max_model_len if truncate == -1 else truncate
+            if len(ids) > keep:
+                ids = ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep:]
+                text = None  # the text no longer matches; echo decodes the ids
+        return {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+
+    async def _requests(self, prompts: list[Any], params: Any, priority: int,
+                        constraint: Constraint | None = None) -> list[Any]:
+        """Every prompt validated and tokenized (off the event loop) before any is
+        queued: a bad one is a 400 naming it, and nothing was started. An error about
+        the output's ``constraint`` names the request field it came from."""
+        engine = self.llm.engine
+        if params.thinking_token_budget is not None and not engine.config.reasoning_start:
+            raise APIError(400, "thinking_token_budget: this server has no reasoning markers (start it with "
+                                "--reasoning-start and --reasoning-end)", "BadRequestError", "thinking_token_budget")
+        n = getattr(params, "n", 1)
+        if len(prompts) * n > engine.config.max_sequences_per_request:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} is more than the server's "
+                                f"max_sequences_per_request={engine.config.max_sequences_per_request}",
+                           "BadRequestError", "prompt")
+        rid = new_id("req")  # engine ids are ours alone, whatever id the client gave
+        requests = []
+        for i, prompt in enumerate(prompts):
+            try:
+                requests.append(await self.llm.make_request(prompt, params, f"{rid}-{i}", priority=priority))
+            except ValueError as exc:
+                named = await self._explain(constraint, exc) if constraint is not None else None
+                if named is not None:
+                    raise APIError(400, named[0], "BadRequestError", named[1]) from None
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise APIError(400, f"{where}{exc}", "BadRequestError", getattr(exc, "param", None)) from None
+            except EngineDeadError as exc:
+                raise APIError(503, str(exc), "ServiceUnavailableError") from None
+        return requests
+
+    async def _explain(self, constraint: Constraint, exc: ValueError) -> tuple[str, str | None] | None:
+        """(message, param) of an engine error about ``constraint`` (it does not
+        compile), named as the client named it: for the required-calls schema, the
+        first tool whose own schema does not compile."""
+        named = constraint.explain(exc)
+        if named is not None and constraint.parts:
+            compiler = self.llm.engine.grammar_compiler
+
+            def first_bad() -> str | None:
+                for where, spec in constraint.parts:
+                    try:
+                        compiler.validate(StructuredOutputsParams(**spec))
+                    except ValueError:
+                        return where
+                return None
+
+            where = await self.llm.run_off_loop(first_bad)
+            if where is not None:
+                named = (named[0].replace(constraint.where, where, 1), where)
+        return named
+
+    async def _outputs(self, request: Any) -> AsyncIterator[RequestOutput]:
+        """A queued request's outputs; its failure is a 500 for it alone."""
+        try:
+            async for out in self.llm.stream(request):
+                if out.error:
+                    raise APIError(500, f"the request failed: {out.error}", "InternalServerError")
+                yield out
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "ServiceUnavailableError") from None
+
+    @staticmethod
+    async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    async def _events(self, rid: str, kind: str, body: SamplingFields, streams: list,
+                      chunks_of: Callable[[int, RequestOutput], list[Any]], total_usage: Callable[[], Any]) -> AsyncIterator[str]:
+        """Server-sent events: the chunks of each output, the usage chunk when asked
+        for, an error object if the request failed midway, then ``[DONE]``."""
+        include_usage, _ = body.usage_options()
+        try:
+            async for index, out in _merge(streams):
+                for chunk in chunks_of(index, out):
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+                                       "choices": [], "usage": total_usage().model_dump()}))
+        except APIError as exc:
+            yield _sse(json.dumps(exc.body()))
+        yield "data: [DONE]\n\n"
+
+    # -- what the ingress calls -----------------------------------------------------------
+
+    def card(self) -> dict[str, Any]:
+        """The model's entry in ``/v1/models``."""
+        card = Model(id=self.model_name, object="model", created=self.created, owned_by="raydecode")
+        return card.model_dump(exclude_none=True) | {
+            "root": self.llm.engine.config.model or self.llm.engine.model_name, "parent": None,
+            "max_model_len": self.llm.engine.max_model_len,
+            "permission": [{"id": f"modelperm-{self.created}", "object": "model_permission", "created": self.created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}],
+        }
+
+    def health(self) -> Reply:
+        """200 when the engine can serve, 503 (with the problems) when it cannot."""
+        state = self.llm.engine.health()
+        try:
+            self.llm.check_health()
+            status = "ok"
+        except RuntimeError as exc:
+            status, state["problems"] = "unhealthy", str(exc).split("; ")
+        body = {"status": status, "model": self.model_name, **state, "rss_bytes": psutil.Process().memory_info().rss}
+        return Reply(status=200 if status == "ok" else 503, body=body)
+
+    def metrics_text(self) -> bytes:
+        """Prometheus text: vLLM's metric names, types, labels and buckets."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    async def tokenize(self, body: TokenizeRequest) -> Reply:
+        """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""
+        try:
+            add_special = body.add_special_tokens_or_default()
+            if body.messages is not None:
+                def prepare() -> list[dict[str, Any]]:
+                    body.check_supported(self.api_options)
+                    body.check_prompt_size(self.api_options.max_prompt_chars)
+                    return body.conversation()
+
+                conversation = await self.llm.run_off_loop(prepare)
+                rendered = await self.llm.render_chat(conversation, chat_template=self.args.chat_template,
+                                                      **body.render_kwargs())
+                ids = rendered["prompt_token_ids"]
+                if add_special:
+                    ids = await self.llm.run_off_loop(self._encode, rendered["prompt"], True)
+            else:
+                body.check_supported(self.api_options)
+                ids = await self.llm.run_off_loop(self._encode, body.prompt, add_special)
+        except ValueError as exc:
+            return error_reply(bad_request(exc))
+        strs = await self.llm.run_off_loop(self.tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
+        return Reply(body={"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids,
+                           "token_strs": strs})
+
+    async def detokenize(self, body: DetokenizeRequest) -> Reply:
+        """vLLM's ``/detokenize``: token ids back to text."""
+        engine = self.llm.engine
+        if len(body.tokens) > engine.max_model_len:
+            return error_reply(APIError(400, f"tokens: {len(body.tokens)} tokens is more than max_model_len="
+                                             f"{engine.max_model_len}", "BadRequestError", "tokens"))
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < engine.vocab_size:
+                return error_reply(APIError(400, f"tokens[{i}]: token {t} is outside the vocabulary "
+                                                 f"[0, {engine.vocab_size})", "BadRequestError", f"tokens[{i}]"))
+        try:
+            text = await self.llm.run_off_loop(self.tokenizer.decode, body.tokens)
+        except Exception as exc:  # an id the tokenizer has no entry for
+            return error_reply(APIError(400, f"tokens: cannot be decoded: {exc}", "BadRequestError", "tokens"))
+        return Reply(body={"prompt": text})
+
+    async def completions(self, body: CompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
+        """``/v1/completions``: a ``Reply``, then the event text when it streams."""
+        try:
+            reply, events = await self._completions(body, request_id)
+        except APIError as exc:
+            yield error_reply(exc)
+            return
+        yield reply
+        if events is not None:
+            async for text in coalesce(events):
+                yield text
+
+    async def chat(self, body: ChatCompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
+        """``/v1/chat/completions``: a ``Reply``, then the event text when it streams."""
+        try:
+            reply, events = await self._chat(body, request_id)
+        except APIError as exc:
+            yield error_reply(exc)
+            return
+        yield reply
+        if events is not None:
+            async for text in coalesce(events):
+                yield text
+
+    async def _completions(self, body: CompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
+        try:  # schemas are checked here: off the event loop
+            params = await self.llm.run_off_loop(body.sampling_params, self.api_options)
+            prompts = body.prompts()
+            if body.add_special_tokens is False or body.truncate_prompt_tokens is not None:
+                prompts = await self.llm.run_off_loop(lambda: [self._shape_prompt(p, body) for p in prompts])
+        except (ValueError, ValidationError) as exc:
+            raise bad_request(exc) from None
+        rid = new_id("cmpl", body.request_id or request_id)
+        requests = await self._requests(prompts, params, body.priority, body.constraint)
+        prompt_texts = None
+        if body.echo:
+            tokenizer = self.tokenizer
+            prompt_texts = await self.llm.run_off_loop(
+                lambda: [r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids) for r in requests])
+        builder = CompletionChoices(body, prompt_texts, self._token_text(body))
+        streams = [self._outputs(r) for r in requests]
+        if not body.streaming:
+            outs = await _run_all([self._final(s) for s in streams])
+            response = await self.llm.run_off_loop(completion_response, rid, self.model_name, list(outs), builder)
+            return Reply(body=response.model_dump(exclude_unset=True)), None
+        created = int(time.time())
+        _, continuous = body.usage_options()
+
+        def chunks(index: int, out: RequestOutput) -> list[Any]:
+            return completion_chunks(rid, self.model_name, created, index, out, builder, continuous)
+
+        return Reply(stream=True), self._events(rid, "text_completion", body, streams, chunks, builder.total_usage)
+
+    async def _chat(self, body: ChatCompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
+        try:
+            def prepare() -> tuple[Any, list[dict[str, Any]]]:  # schemas are checked here: off the event loop
+                params = body.sampling_params(self.api_options)
+                body.check_prompt_size(self.api_options.max_prompt_chars)
+                return params, body.conversation()
+
+            params, conversation = await self.llm.run_off_loop(prepare)
+            prompt = await self.llm.render_chat(conversation, chat_template=self.args.chat_template,
+                                                **body.render_kwargs())
+            if body.add_special_tokens or body.truncate_prompt_tokens is not None:
+                prompt = await self.llm.run_off_loop(self._shape_prompt, prompt, body)
+        except (ValueError, ValidationError) as exc:
+            raise bad_request(exc) from None
+        rid = new_id("chatcmpl", body.request_id or request_id)
+        (request,) = await self._requests([prompt], params, body.priority, body.constraint)
+        stream = self._outputs(request)
+        text = self._token_text(body)
+        if not body.streaming:
+            (out,) = await _run_all([self._final(stream)])
+            response = await self.llm.run_off_loop(chat_response, rid, self.model_name, out, body, text)
+            return Reply(body=response.model_dump(exclude_unset=True)), None
+        builder = ChatChunks(rid, self.model_name, body, text)
+        return Reply(stream=True), self._events(rid, "chat.completion.chunk", body, [stream],
+                                                lambda _, out: builder.chunks(out), builder.total_usage)

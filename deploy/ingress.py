@@ -1,0 +1,238 @@
+"""The OpenAI HTTP ingress: parses and validates every request, checks the API key,
+picks the engine deployment serving the request's ``model``, and relays its answer
+(Ray Serve LLM's ``OpenAiIngress``). It holds no model and no engine, so it answers
+cleanly while an engine replica is down or being replaced.
+
+Routes (vLLM's): ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(``stream: true`` answers with server-sent events), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /metrics`` (Prometheus text, vLLM's metric names), ``GET /health``. Bad requests
+get HTTP 400 with an OpenAI error object naming the field, an unknown model 404, a
+wrong API key 401 (the key guards ``/v1/*``, as vLLM's does). When an engine deployment
+has ``max_ongoing_requests`` in flight on every replica and ``max_queued_requests``
+waiting, the answer is 503 with ``Retry-After`` (Serve's backpressure), so queues stay
+bounded; an engine replica that dies under a request is a 503 too (or, once a stream
+has begun, an error event in it), which a client may retry. A client that disconnects
+cancels its call into the engine, which aborts the request there.
+"""
+
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+import ray
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.engine_server import Reply, _sse
+from deploy.openai.errors import APIError, error_body
+from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger("ray.serve")
+
+#: How a call into an engine replica fails when the replica is gone or going.
+ENGINE_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+               ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("raydecode")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, status, param), status_code=status, headers=headers)
+
+
+app = FastAPI(title="raydecode OpenAI-compatible API")
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return _error(400, f"{where}: {message}" if where else message, "BadRequestError", where or None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if getattr(exc, "retry_after", None) is not None else None
+    return _error(exc.status, exc.message, exc.kind, exc.param, headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+
+class Unavailable(APIError):
+    """503: the engine is busy (its queue is full) or its replica is gone; retry."""
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(503, message, "ServiceUnavailableError")
+        self.retry_after = None if retry_after is None else max(1, round(retry_after))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Unavailable, (self.message, self.retry_after)
+
+
+def _json(reply: Reply) -> JSONResponse:
+    return JSONResponse(reply.body, status_code=reply.status)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, health_check_period_s=10)
+@serve.ingress(app)
+class OpenAIIngress:
+    """``engines``: the served model name of each engine deployment, to its handle."""
+
+    def __init__(self, engines: dict[str, Any], api_key: str | None = None, retry_after_s: float = 1.0) -> None:
+        if not engines:
+            raise ValueError("the ingress needs at least one engine deployment")
+        self.engines = engines
+        self.api_key = api_key
+        self.retry_after_s = retry_after_s
+        self._cards: dict[str, dict[str, Any]] = {}
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _check_key(self, raw: Request) -> None:
+        if self.api_key is not None:
+            given = raw.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):  # constant time
+                raise APIError(401, "invalid or missing API key", "AuthenticationError")
+
+    def _engine(self, model: str | None) -> Any:
+        """The handle serving ``model``; with one model, a request that names none."""
+        if model is None and len(self.engines) == 1:
+            return next(iter(self.engines.values()))
+        if model is None:
+            raise APIError(400, f"model: required (this server has {sorted(self.engines)})", "BadRequestError", "model")
+        handle = self.engines.get(model)
+        if handle is None:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return handle
+
+    def _unavailable(self, exc: BaseException) -> Unavailable:
+        if isinstance(exc, BackPressureError):
+            return Unavailable(f"the server is busy: {exc}", self.retry_after_s)
+        return Unavailable(f"the engine replica serving this request is gone ({type(exc).__name__}); retry",
+                           self.retry_after_s)
+
+    async def _call(self, handle: Any, method: str, *args: Any) -> Any:
+        """``handle.method(*args)``'s result; a busy or dead engine is a 503."""
+        try:
+            return await getattr(handle, method).remote(*args)
+        except (BackPressureError, *ENGINE_GONE) as exc:
+            raise self._unavailable(exc) from None
+
+    async def _generate(self, handle: Any, method: str, body: Any, request_id: str | None) -> Response:
+        """A generation call: the engine's first item says what the response is; a
+        stream relays the rest as it comes."""
+        stream = getattr(handle.options(stream=True), method).remote(body, request_id)
+        try:
+            head = await stream.__anext__()
+        except (BackPressureError, *ENGINE_GONE) as exc:
+            stream.cancel()
+            raise self._unavailable(exc) from None
+        except BaseException:
+            stream.cancel()
+            raise
+        if not head.stream:
+            stream.cancel()
+            return _json(head)
+        return StreamingResponse(self._relay(stream), media_type="text/event-stream")
+
+    async def _relay(self, stream: Any) -> AsyncIterator[str]:
+        """The event text from the engine; if its replica dies mid-stream, an error
+        event and ``[DONE]`` end the stream instead of a cut connection."""
+        try:
+            async for text in stream:
+                yield text
+        except ENGINE_GONE as exc:
+            yield _sse(json.dumps(self._unavailable(exc).body()))
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # the client left (or the stream ended): the engine stops
+
+    async def _card(self, name: str) -> dict[str, Any]:
+        card = self._cards.get(name)
+        if card is None:
+            card = self._cards[name] = await self._call(self.engines[name], "card")
+        return card
+
+    # -- routes: service ----------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 when every engine can serve, 503 (with the problems) when one cannot."""
+        async def one(handle: Any) -> Reply:
+            try:
+                return await self._call(handle, "health")
+            except APIError as exc:
+                return Reply(status=503, body={"status": "unhealthy", "problems": [exc.message]})
+
+        replies = await asyncio.gather(*(one(h) for h in self.engines.values()))
+        status = 200 if all(r.status == 200 for r in replies) else 503
+        if len(replies) == 1:
+            return JSONResponse(replies[0].body, status_code=status)
+        return JSONResponse({"status": "ok" if status == 200 else "unhealthy",
+                             "models": dict(zip(self.engines, (r.body for r in replies)))}, status_code=status)
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: vLLM's metric names, types, labels and buckets."""
+        texts = await asyncio.gather(*(self._call(h, "metrics_text") for h in self.engines.values()))
+        return Response(b"".join(texts), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(self, raw: Request) -> dict[str, Any]:
+        self._check_key(raw)
+        return {"object": "list", "data": [await self._card(name) for name in self.engines]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, raw: Request) -> dict[str, Any]:
+        self._check_key(raw)
+        self._engine(model_id)
+        return await self._card(model_id)
+
+    # -- routes: tokenizer --------------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+        """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""
+        return _json(await self._call(self._engine(body.model), "tokenize", body))
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+        """vLLM's ``/detokenize``: token ids back to text."""
+        return _json(await self._call(self._engine(body.model), "detokenize", body))
+
+    # -- routes: generation -------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self._check_key(raw)
+        return await self._generate(self._engine(body.model), "completions", body, raw.headers.get("x-request-id"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_key(raw)
+        return await self._generate(self._engine(body.model), "chat", body, raw.headers.get("x-request-id"))

@@ -1,0 +1,154 @@
+"""Engine replicas that follow the load and leave without cutting a stream.
+
+The Serve app is the ingress in front of the engine deployment; the engine replicas
+autoscale on Serve's ``autoscaling_config`` and drain when they go: a replica removed by
+a scale-down or a redeploy takes no new requests and finishes the streams it has. Each
+stream's text is checked against the same request run undisturbed beforehand.
+Streams are made long on any machine by a test logits processor that sleeps at each
+step of the requests that ask (``procs_for_tests.SlowStepAdapter``); it changes no
+logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from deploy.serve import build_app
+from helpers import free_port
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+APP = "scaling"
+
+
+def engine_replicas() -> dict[str, int]:
+    """The engine deployment's replicas by state (RUNNING, STARTING, STOPPING, ...)."""
+    status = serve.status().applications[APP].deployments["LLMEngine"]
+    return {str(getattr(k, "value", k)): v for k, v in status.replica_states.items()}
+
+
+def running() -> int:
+    return engine_replicas().get("RUNNING", 0)
+
+
+def wait_for(what, timeout: float, every: float = 0.25) -> float:
+    """Seconds until ``what()`` is true; fails after ``timeout``."""
+    start = time.monotonic()
+    while not what():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s: {what.__doc__ or what}; replicas {engine_replicas()}")
+        time.sleep(every)
+    return time.monotonic() - start
+
+
+def stream_text(url: str, prompt: str, max_tokens: int, sleep_ms: int, out: dict, key: str) -> None:
+    """A streaming completion; ``out[key]`` gets its text, or the error it ended with."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "vllm_xargs": {"step_sleep_ms": sleep_ms}}
+    text, done = [], False
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
+            if r.status_code != 200:
+                out[key] = f"HTTP {r.status_code}: {r.read()!r}"
+                return
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        out[key] = f"error event: {chunk}"
+                        return
+                    text.append(chunk["choices"][0]["text"])
+        out[key] = "".join(text) if done else f"cut after {len(text)} chunks"
+    except httpx.HTTPError as exc:
+        out[key] = f"{type(exc).__name__}: {exc}"
+
+
+def plain_text(url: str, prompt: str, max_tokens: int) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def app_args(model: str, max_num_seqs: int = 8, **extra) -> dict:
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    return {"model": model, "served_model_name": "tiny",
+            "engine": {"max_num_seqs": max_num_seqs, "max_model_len": 512, "worker_num_cpus": 0.5,
+                       "logits_processors": ["procs_for_tests:SlowStepAdapter"]},
+            "runtime_env": {"env_vars": {"PYTHONPATH": path}}, "graceful_shutdown_timeout_s": 60, **extra}
+
+
+@pytest.fixture
+def server(ray_local):
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+PROMPTS = [f"scaling prompt {i}: the quick brown fox" for i in range(6)]
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(server, tiny_model_path):
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+               "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 1}
+    serve.run(build_app(app_args(tiny_model_path, autoscaling_config=scaling)), name=APP, route_prefix="/")
+    assert running() == 1
+    expected = {p: plain_text(server, p, 24) for p in PROMPTS}
+    results: dict[str, str] = {}
+    start = time.monotonic()
+    threads = [threading.Thread(target=stream_text, args=(server, p, 24, 150, results, p)) for p in PROMPTS[:4]]
+    for t in threads:
+        t.start()
+    up = wait_for(lambda: running() == 2, timeout=90)
+    print(f"\nscale-up: a second engine replica running {up:.1f} s after 4 streams began (target 1 each)")
+    for t in threads:
+        t.join(timeout=180)
+    assert results == {p: expected[p] for p in PROMPTS[:4]}
+    idle = time.monotonic()
+    down = wait_for(lambda: engine_replicas() == {"RUNNING": 1}, timeout=90)
+    print(f"scale-down: back to 1 replica {down:.1f} s after the load stopped "
+          f"(downscale_delay_s 3; {time.monotonic() - start:.1f} s in all)")
+    assert idle - start > 0
+    assert plain_text(server, PROMPTS[5], 24) == expected[PROMPTS[5]]
+
+
+def test_scale_down_and_redeploy_finish_the_streams_in_flight(server, tiny_model_path):
+    serve.run(build_app(app_args(tiny_model_path, num_replicas=2)), name=APP, route_prefix="/")
+    assert running() == 2
+    expected = {p: plain_text(server, p, 40) for p in PROMPTS}
+    results: dict[str, str] = {}
+
+    def launch(prompts: list[str]) -> list[threading.Thread]:
+        threads = [threading.Thread(target=stream_text, args=(server, p, 40, 150, results, p)) for p in prompts]
+        for t in threads:
+            t.start()
+        return threads
+
+    # Four streams over the two replicas (the router balances their queues), then one
+    # replica goes while they are in flight: the leaving one finishes its streams.
+    threads = launch(PROMPTS[:4])
+    time.sleep(2)
+    serve.run(build_app(app_args(tiny_model_path, num_replicas=1)), name=APP, route_prefix="/")
+    stopping = wait_for(lambda: engine_replicas() == {"RUNNING": 1}, timeout=120)
+    for t in threads:
+        t.join(timeout=180)
+    print(f"\nscale-down 2 -> 1 with 4 streams in flight: the leaving replica stopped after {stopping:.1f} s")
+    assert results == {p: expected[p] for p in PROMPTS[:4]}
+
+    # A redeploy with a changed engine setting replaces the replica; its streams finish.
+    threads = launch(PROMPTS[4:])
+    time.sleep(2)
+    serve.run(build_app(app_args(tiny_model_path, max_num_seqs=6, num_replicas=1)), name=APP, route_prefix="/")
+    for t in threads:
+        t.join(timeout=180)
+    assert results == expected
+    assert plain_text(server, PROMPTS[0], 40) == expected[PROMPTS[0]]
