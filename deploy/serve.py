@@ -100,12 +100,15 @@ class ServerArgs(BaseModel):
 
 
 def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
-                      actor_options: dict[str, Any] | None = None) -> serve.Application:
+                      actor_options: dict[str, Any] | None = None,
+                      serve_options: dict[str, Any] | None = None) -> serve.Application:
     """The engine deployment of ``parsed``, bound: its replicas, load limits, drain
     time and (for model-parallel workers) every rank's placement-group bundle.
     ``actor_options``: further ``ray_actor_options`` of its replicas (resources,
-    ``accelerator_type``)."""
-    options: dict[str, Any] = {}
+    ``accelerator_type``). ``serve_options``: further Serve deployment options
+    (health_check_period_s, health_check_timeout_s, logging_config, ...), over the
+    defaults here."""
+    options: dict[str, Any] = {"health_check_period_s": 10}
     engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
     if engine.group_size > 1:
         # Model-parallel workers: the replica reserves every rank's bundle with its own
@@ -123,12 +126,21 @@ def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
     return serve.deployment(EngineServer).options(
         name=name,
         ray_actor_options=replica_options,
-        health_check_period_s=10,
         max_ongoing_requests=parsed.max_ongoing_requests,
         max_queued_requests=parsed.max_queued_requests,
         graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s,
-        **options,
+        **options | (serve_options or {}),
     ).bind(parsed.model_dump())
+
+
+def ingress_deployment(engines: dict[str, serve.Application], api_key: str | None = None,
+                       retry_after_s: float = 1.0, options: dict[str, Any] | None = None) -> serve.Application:
+    """The OpenAI ingress in front of ``engines`` (served model name -> bound engine
+    deployment), bound; a full engine queue answers 503 with ``Retry-After``.
+    ``options``: further Serve options of the ingress deployment (num_replicas, ...)."""
+    return OpenAIIngress.options(
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=retry_after_s), **(options or {}),
+    ).bind(engines, api_key, retry_after_s)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -136,6 +148,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     deploy.serve:build_app`` in a Serve config): the OpenAI ingress and, behind it, the
     engine deployment."""
     parsed = ServerArgs.model_validate(args or {})
-    return OpenAIIngress.options(
-        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s),
-    ).bind({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s)
+    return ingress_deployment({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s)
