@@ -237,7 +237,10 @@ def map_engine_kwargs(kwargs: dict[str, Any], model: str) -> tuple[dict[str, Any
                 continue
             raise _kwarg_error(name, f"only {accepted!r} is supported: {why}")
         if name == "enforce_eager":
-            put(engine, "cuda_graphs", not value, name)
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise _kwarg_error(name, f"expected true or false, got {value!r}")
+                put(engine, "cuda_graphs", not value, name)
             continue
         if name == "speculative_config":
             if value is not None:
@@ -377,7 +380,7 @@ def missing_accelerator(accelerator_type: str, cluster: dict[str, float],
     is the running cluster's resources, ``could_add`` what its autoscaler can add ({}:
     no autoscaler; None: one runs but does not say, so any type could come)."""
     resource = accelerator_resource(accelerator_type)
-    if cluster.get(resource, 0) > 0 or could_add is None or (could_add or {}).get(resource, 0) > 0:
+    if cluster.get(resource, 0) > 0 or could_add is None or could_add.get(resource, 0) > 0:
         return None
     present = sorted(k.split(":", 1)[1] for k in {**cluster, **could_add} if k.startswith("accelerator_type:"))
     return (f"accelerator_type {accelerator_type!r}: no node of this Ray cluster has it (resource "
@@ -717,8 +720,9 @@ def build_llm_deployment(llm_config: LLMConfig | dict[str, Any], *, name_prefix:
     plan = config.plan()
     if plan.accelerator_type is not None:
         check_accelerator(plan.accelerator_type)
-    return engine_deployment(plan.args, name=(name_prefix if name_prefix is not None else DEPLOYMENT_PREFIX) + plan.name,
-                             actor_options=plan.actor_options, serve_options=plan.serve_options)
+    prefix = DEPLOYMENT_PREFIX if name_prefix is None else name_prefix
+    return engine_deployment(plan.args, name=prefix + plan.name, actor_options=plan.actor_options,
+                             serve_options=plan.serve_options)
 
 
 def build_openai_app(builder_config: dict[str, Any] | LLMServingArgs) -> serve.Application:

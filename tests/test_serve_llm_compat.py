@@ -160,6 +160,7 @@ REFUSED = [
     (llm(engine_kwargs={"speculative_config": {"method": "eagle", "model": "x", "num_speculative_tokens": 2}}),
      r"speculative_config: method 'eagle' is vLLM-only"),
     (llm(engine_kwargs={"enable_chunked_prefill": False}), r"enable_chunked_prefill: only True"),
+    (llm(engine_kwargs={"enforce_eager": "yes"}), r"engine_kwargs\.enforce_eager: expected true or false"),
     (llm(engine_kwargs={"distributed_executor_backend": "mp"}), r"distributed_executor_backend: only 'ray'"),
     (llm(engine_kwargs={"tokenizer": "other/tok"}), r"engine_kwargs\.tokenizer: .*vLLM-only"),
     (llm(engine_kwargs={"model": "x"}), r"engine_kwargs\.model: set model_loading_config\.model_source"),
@@ -189,7 +190,8 @@ REFUSED = [
     ({"model_loading_config": {"model_id": "m", "model_source": "s3://bucket/m"}}, r"cloud storage mirrors"),
     ({"model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "gs://b/m"}}}, r"cloud storage"),
     # deployment_config
-    (llm(deployment_config={"num_replicas": "two"}), r"deployment_config\.num_replicas: Input should be a valid integer"),
+    (llm(deployment_config={"num_replicas": "two"}),
+     r"deployment_config\.num_replicas: Input should be a valid integer"),
     (llm(deployment_config={"max_ongoing_requests": -1}), r"deployment_config\.max_ongoing_requests: "),
     (llm(deployment_config={"autoscaling_config": {"min_replicas": 3, "max_replicas": 1}}),
      r"deployment_config\.autoscaling_config.*max_replicas"),
