@@ -2,6 +2,7 @@
 
 Modules:
   serve    the Ray Serve application: the FastAPI ingress, its routes, ServerArgs, build_app
+  serve_llm  Ray Serve LLM's config shape (LLMConfig, build_openai_app) over those builders
   metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names
   openai/  the OpenAI (and vLLM-extension) protocol: request models, responses, tools,
            structured outputs (its ``__init__`` lists the modules)
