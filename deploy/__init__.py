@@ -1,7 +1,9 @@
 """raydecode's deployment surface: the OpenAI HTTP API on Ray Serve and the command.
 
 Modules:
-  serve    the Ray Serve application: the FastAPI ingress, its routes, ServerArgs, build_app
+  serve    the Ray Serve application's arguments (ServerArgs) and builders (build_app)
+  ingress  the OpenAI HTTP ingress deployment: routes, validation, API key, routing by model
+  engine_server  the engine deployment: AsyncLLM behind the OpenAI protocol, called by the ingress
   serve_llm  Ray Serve LLM's config shape (LLMConfig, build_openai_app) over those builders
   metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names
   openai/  the OpenAI (and vLLM-extension) protocol: request models, responses, tools,

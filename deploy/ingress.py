@@ -90,6 +90,17 @@ class Unavailable(APIError):
         return Unavailable, (self.message, self.retry_after)
 
 
+def _cancel(stream: Any) -> None:
+    """Cancels an engine call (a no-op once it ended). Serve's ``cancel`` raises the
+    call's own error when routing it failed (backpressure, no replica): that error has
+    been answered already."""
+    if stream is not None:
+        try:
+            stream.cancel()
+        except Exception:
+            pass
+
+
 def _json(reply: Reply) -> JSONResponse:
     return JSONResponse(reply.body, status_code=reply.status)
 
@@ -142,17 +153,18 @@ class OpenAIIngress:
     async def _generate(self, handle: Any, method: str, body: Any, request_id: str | None) -> Response:
         """A generation call: the engine's first item says what the response is; a
         stream relays the rest as it comes."""
-        stream = getattr(handle.options(stream=True), method).remote(body, request_id)
+        stream = None
         try:
+            stream = getattr(handle.options(stream=True), method).remote(body, request_id)
             head = await stream.__anext__()
         except (BackPressureError, *ENGINE_GONE) as exc:
-            stream.cancel()
+            _cancel(stream)
             raise self._unavailable(exc) from None
         except BaseException:
-            stream.cancel()
+            _cancel(stream)
             raise
         if not head.stream:
-            stream.cancel()
+            _cancel(stream)
             return _json(head)
         return StreamingResponse(self._relay(stream), media_type="text/event-stream")
 
@@ -166,7 +178,7 @@ class OpenAIIngress:
             yield _sse(json.dumps(self._unavailable(exc).body()))
             yield "data: [DONE]\n\n"
         finally:
-            stream.cancel()  # the client left (or the stream ended): the engine stops
+            _cancel(stream)  # the client left (or the stream ended): the engine stops
 
     async def _card(self, name: str) -> dict[str, Any]:
         card = self._cards.get(name)

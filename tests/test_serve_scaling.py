@@ -152,3 +152,57 @@ def test_scale_down_and_redeploy_finish_the_streams_in_flight(server, tiny_model
         t.join(timeout=180)
     assert results == expected
     assert plain_text(server, PROMPTS[0], 40) == expected[PROMPTS[0]]
+
+
+def engine_replica_actor(app: str = APP):
+    """The actor handle of the (one) live engine replica."""
+    import ray
+    from ray.util.state import list_actors
+
+    live = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name == f"ServeReplica:{app}:LLMEngine"]
+    assert len(live) == 1, live
+    return ray.get_actor(live[0].name, namespace="serve")
+
+
+def test_a_dead_engine_replica_is_a_clean_503_and_comes_back(server, tiny_model_path):
+    import ray
+
+    serve.run(build_app(app_args(tiny_model_path, num_replicas=1)), name=APP, route_prefix="/")
+    expected = plain_text(server, PROMPTS[0], 30)
+    results: dict[str, str] = {}
+    plain: dict[str, httpx.Response] = {}
+
+    def non_streaming() -> None:
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "vllm_xargs": {"step_sleep_ms": 200}}
+        plain["r"] = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+
+    threads = [threading.Thread(target=stream_text, args=(server, PROMPTS[0], 30, 200, results, "s")),
+               threading.Thread(target=non_streaming)]
+    for t in threads:
+        t.start()
+    time.sleep(3)  # both are in the engine, the stream has begun
+    killed = time.monotonic()
+    ray.kill(engine_replica_actor(), no_restart=True)
+    for t in threads:
+        t.join(timeout=60)
+    ended = time.monotonic() - killed
+    assert not any(t.is_alive() for t in threads), "a request hung after its replica died"
+    print(f"\nboth requests ended {ended:.1f} s after their engine replica was killed")
+    # The stream had begun: an OpenAI error event (then [DONE]); the other one: a 503.
+    assert results["s"].startswith("error event:") and "ServiceUnavailableError" in results["s"], results
+    assert plain["r"].status_code == 503, plain["r"].text
+    assert plain["r"].json()["error"]["type"] == "ServiceUnavailableError"
+    assert "retry-after" in plain["r"].headers
+    # Serve replaces the replica; the endpoint answers as before.
+    wait_for(lambda: running() == 1 and engine_replicas() == {"RUNNING": 1}, timeout=120)
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 30,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=120)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert r.status_code == 503, r.text  # only "retry" while the new replica comes up
+        time.sleep(1)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
