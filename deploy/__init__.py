@@ -2,12 +2,15 @@
 
 Modules:
   serve    the Ray Serve application: the FastAPI ingress, its routes, ServerArgs, build_app
-  metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names
+  metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names,
+           for every replica of the app (``ReplicaMetrics``)
+  metrics_hub  the hub actor of an app that its replicas push their metrics to
   openai/  the OpenAI (and vLLM-extension) protocol: request models, responses, tools,
            structured outputs (its ``__init__`` lists the modules)
   cli      the ``raydecode`` command (generate, serve, bench)
 
-Beside them: ``serve.yaml`` (a Serve config of the app), ``cluster.yaml`` and
+Beside them: ``grafana/raydecode.json`` (a Grafana dashboard over ``/metrics``),
+``serve.yaml`` (a Serve config of the app), ``cluster.yaml`` and
 ``cluster-local.yaml`` (``ray up`` clusters), and ``README.md`` (how to deploy).
 Dependency direction: deploy -> cluster -> worker -> sampler; HTTP lives only here.
 """

@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 import ray
 from ray import serve
@@ -41,7 +41,7 @@ from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.config import EngineConfig
 from cluster.outputs import RequestOutput
 from cluster.worker_pool import serve_bundles
-from deploy.metrics import metrics_registry
+from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import error_body
 from deploy.openai.protocol import (
     ChatCompletionRequest,
@@ -224,7 +224,8 @@ class OpenAIServer:
         self.llm = AsyncLLM(self.args.model, num_workers=self.args.num_workers, **self.args.engine)
         self.model_name = self.args.served_model_name or self.llm.engine.model_name
         self.created = int(time.time())
-        self.registry = metrics_registry(self.llm.engine, self.model_name)
+        #: /metrics of every replica of the app (deploy/metrics_hub.py): pushes this one's
+        self.replica_metrics = ReplicaMetrics(self.llm.engine, self.model_name)
         self.api_options = ApiOptions(
             structured_defaults=self.args.structured_outputs_config.model_dump(),
             tool_call_parser=self.args.tool_call_parser, enable_auto_tool_choice=self.args.enable_auto_tool_choice,
@@ -407,8 +408,9 @@ class OpenAIServer:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        """Prometheus text: vLLM's metric names, types, labels and buckets."""
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus text: vLLM's metric names, types, labels and buckets, for every
+        replica of the app (each its own ``engine`` label) and the replica counts."""
+        return Response(await self.replica_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:
