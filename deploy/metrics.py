@@ -196,9 +196,11 @@ class ReplicaMetrics:
     first scrape already finds the hub); ``exposition()`` is the ``/metrics`` answer:
     this engine's families read now, the other replicas' latest, and the replica
     families, merged. Outside Serve (no ``app_name`` and no replica context) it answers
-    for its engine alone and starts no hub."""
+    for its engine alone and starts no hub. With ``engine`` None (a deployment without
+    an engine of its own, such as an ingress in front of engine deployments) it pushes
+    nothing and answers with the replicas' families from the hub."""
 
-    def __init__(self, engine: Any, model_name: str, app_name: str | None = None, replica_id: str | None = None,
+    def __init__(self, engine: Any | None, model_name: str, app_name: str | None = None, replica_id: str | None = None,
                  push_interval_s: float | None = None, **hub_kwargs: Any) -> None:
         from deploy import metrics_hub
 
@@ -206,7 +208,7 @@ class ReplicaMetrics:
         self.app_name = app_name if app_name is not None else _serve_app_name()
         self.replica_id = replica_id if replica_id is not None else replica_label()
         self.model_name = model_name
-        self.collector = EngineCollector(engine, model_name, self.replica_id)
+        self.collector = EngineCollector(engine, model_name, self.replica_id) if engine is not None else None
         self.push_interval_s = push_interval_s if push_interval_s is not None else metrics_hub.PUSH_INTERVAL_S
         self._hub_kwargs = hub_kwargs
         self._hub: Any = None
@@ -214,7 +216,7 @@ class ReplicaMetrics:
         self._stop = threading.Event()
         self._actor = _current_actor()
         self._thread: threading.Thread | None = None
-        if self.app_name is None:
+        if self.app_name is None or self.collector is None:
             return
         try:
             self.push(timeout_s=metrics_hub.FIRST_PUSH_TIMEOUT_S)
@@ -224,8 +226,8 @@ class ReplicaMetrics:
         self._thread.start()
 
     def families(self) -> list[Metric]:
-        """This engine's families, read now."""
-        return list(self.collector.collect())
+        """This engine's families, read now (none without an engine)."""
+        return list(self.collector.collect()) if self.collector is not None else []
 
     def hub(self) -> Any:
         """The app's hub (created if none is running), or None outside Serve."""
@@ -242,7 +244,7 @@ class ReplicaMetrics:
     def push(self, timeout_s: float | None = None) -> None:
         """One push of this engine's families (raises if the hub does not take it)."""
         hub = self.hub()
-        if hub is None:
+        if hub is None or self.collector is None:
             return
         try:
             ray.get(hub.push.remote(self.replica_id, self.model_name, self.families(), self._actor),
@@ -269,7 +271,8 @@ class ReplicaMetrics:
         hub = None
         try:
             hub = self._hub if self._hub is not None else await asyncio.to_thread(self.hub)
-            return await asyncio.wait_for(_await(hub.view.remote(self.replica_id)), self._hubs.VIEW_TIMEOUT_S)
+            exclude = self.replica_id if self.collector is not None else None
+            return await asyncio.wait_for(_await(hub.view.remote(exclude)), self._hubs.VIEW_TIMEOUT_S)
         except Exception as exc:
             logger.warning("the metrics hub of app %r did not answer (%r): /metrics covers this replica only",
                            self.app_name, exc)
@@ -284,7 +287,9 @@ class ReplicaMetrics:
         if view is None:
             return exposition(own)
         others = [view["families"][rid] for rid in sorted(view["families"])]
-        models = dict(view["models"]) | {self.replica_id: self.model_name}
+        models = dict(view["models"])
+        if self.collector is not None:
+            models[self.replica_id] = self.model_name
         return exposition(merge_families([own, *others, self._hubs.replica_families(models, view["scale_events"])]))
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ counts a killed replica leaving."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.metrics import exposition, merge_families
+from deploy.metrics import ReplicaMetrics, exposition, merge_families
 from deploy.metrics_hub import hub_handle, replica_families
 from helpers import served
 
@@ -88,6 +89,11 @@ def test_the_hub_counts_replicas_joining_and_leaving_and_leaves_when_idle(ray_lo
     view = ray.get(hub.view.remote("a"))
     assert sorted(view["families"]) == ["b", "c"] and sorted(view["models"]) == ["a", "b", "c"]
     assert view["scale_events"] == {("m", "up"): 3}
+    # a deployment without an engine (an ingress) answers with every replica's families
+    reader = ReplicaMetrics(None, "m", app_name=app)
+    families = parse(asyncio.run(reader.exposition()).decode())
+    assert engines(families, "vllm:generation_tokens") == {"a": 10, "b": 30, "c": 0}
+    assert families["raydecode:replicas_live"] == {("raydecode:replicas_live", (("model_name", "m"),)): 3}
     ray.get(hub.drop.remote("c"))
     assert ray.get(hub.view.remote())["scale_events"] == {("m", "up"): 3, ("m", "down"): 1}
 
