@@ -554,6 +554,7 @@ class LLMEngine:
         slot.pending = []
         in_step = {id(s) for s in step.rows} if step is not None else set()
         charged: set[int] = set()
+        requeued: set[int] = set()
         for seq in slot.scheduler.release_all():
             if seq.finished:
                 continue
@@ -569,6 +570,7 @@ class LLMEngine:
                                         f"(max_request_failures): {reason}")
             else:
                 self.waiting.push(seq)
+                requeued.add(id(request))
         logger.warning("%s; %d requests charged a failure, their sequences re-queued", reason, len(charged))
         self.last_progress = time.monotonic()
         if len(slot.ranks) > 1:
@@ -583,9 +585,11 @@ class LLMEngine:
                 ray.get(slot.actor.reset.remote(), timeout=self.config.ray_call_timeout_s)
                 if had_channel:
                     self.pool.open_channel(slot)
+                self.metrics.record_requeued(len(requeued), "worker_reset")
                 return
             except RayError as exc:
                 reason = f"{reason}; then its reset failed ({type(exc).__name__})"
+        self.metrics.record_requeued(len(requeued), "worker_lost")
         self.pool.lost(slot, reason)
 
     def _wait_for_workers(self, timeout: float) -> None:
@@ -656,6 +660,7 @@ class LLMEngine:
             "degraded": sum(w.live for w in workers) < c.num_workers,
             "starting_workers": sum(not w.live for w in workers),
             "worker_failures": self.pool.num_failures,
+            "worker_restarts": self.pool.num_restarts,
             "running_requests": len(self.requests),
             "waiting_sequences": len(self.waiting),
         }

@@ -4,8 +4,11 @@ observations (no Prometheus here; ``deploy/metrics.py`` exposes them, vLLM's nam
 The engine updates ``EngineMetrics`` at a few points: around each merged reply (tokens
 generated, prompt tokens of sequences that produced their first token, inter-token
 latency per request, speculative drafts and accepted tokens), when the scheduler
-preempts, and when a request leaves the engine (its sequences' finish reasons and the
-latencies in its ``RequestMetrics``). A scrape reads ``snapshot()`` from another thread.
+preempts, when a failed step puts a worker's requests back in the queue (a fault: the
+worker died, hung or raised), and when a request leaves the engine (its sequences' finish
+reasons and the latencies in its ``RequestMetrics``). A scrape reads ``snapshot()`` from
+another thread. The worker pool counts its own losses and replacements
+(``WorkerPool.num_failures``, ``num_restarts``).
 
 Counting follows vLLM, where each of a request's ``n`` samples is an engine request of
 its own: tokens, ``request_success`` and the per-request token histograms count samples;
@@ -37,6 +40,9 @@ REQUEST_LATENCY_BUCKETS = (
 )
 #: vLLM's finish reasons, each a ``request_success`` series from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+#: Why a failed step re-queued its worker's requests: the worker died or hung (it is
+#: replaced), or it raised and was reset (it serves on). Each a series from the start.
+REQUEUE_CAUSES = ("worker_lost", "worker_reset")
 
 
 def request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -105,6 +111,8 @@ class MetricsSnapshot:
     spec_decode_num_accepted_tokens: int
     request_success: dict[str, int]
     histograms: dict[str, Histogram]
+    #: requests re-queued by a failed step, by cause (``REQUEUE_CAUSES``)
+    requests_requeued: dict[str, int] = field(default_factory=dict)
 
 
 class EngineMetrics:
@@ -119,6 +127,7 @@ class EngineMetrics:
         self.spec_decode_num_draft_tokens = 0
         self.spec_decode_num_accepted_tokens = 0
         self.request_success = {reason: 0 for reason in FINISH_REASONS}
+        self.requests_requeued = {cause: 0 for cause in REQUEUE_CAUSES}
         tokens = request_tokens_buckets(max_model_len)
         self.histograms = {
             "time_to_first_token_seconds": Histogram(TIME_TO_FIRST_TOKEN_BUCKETS),
@@ -172,6 +181,12 @@ class EngineMetrics:
         with self._lock:
             self.num_preemptions += count
 
+    def record_requeued(self, count: int, cause: str) -> None:
+        """A failed step put ``count`` requests (each with at least one unfinished
+        sequence) back in the waiting queue; ``cause`` is one of ``REQUEUE_CAUSES``."""
+        with self._lock:
+            self.requests_requeued[cause] = self.requests_requeued.get(cause, 0) + count
+
     def record_finished(self, request: Any) -> None:
         """A request left the engine (finished, aborted or failed): each sample's finish
         reason and length, and the request's latencies from its ``RequestMetrics``."""
@@ -207,4 +222,5 @@ class EngineMetrics:
                 spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
                 request_success=dict(self.request_success),
                 histograms={name: h.copy() for name, h in self.histograms.items()},
+                requests_requeued=dict(self.requests_requeued),
             )

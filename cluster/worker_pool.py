@@ -156,6 +156,7 @@ class WorkerPool:
         self._ids = itertools.count()
         self.slots: list[WorkerSlot] = []
         self.num_failures = 0  # workers lost (died, hung, failed to load) since start
+        self.num_restarts = 0  # replacement workers started (after a loss or a failed start)
         self._start_failures = 0  # consecutive failed starts: the backoff exponent
         self._next_start = 0.0  # monotonic time before which no replacement starts
         self.last_error: str | None = None
@@ -313,6 +314,7 @@ class WorkerPool:
                            f"{self.config.worker_start_timeout_s} s", start_failed=True)
         if len(self.slots) < self.config.num_workers and now >= self._next_start:
             slot = self._spawn()
+            self.num_restarts += 1
             logger.warning("starting worker %d to replace a lost one", slot.index)
         return loaded
 

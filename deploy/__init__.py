@@ -5,12 +5,15 @@ Modules:
   ingress  the OpenAI HTTP ingress deployment: routes, validation, API key, routing by model
   engine_server  the engine deployment: AsyncLLM behind the OpenAI protocol, called by the ingress
   serve_llm  Ray Serve LLM's config shape (LLMConfig, build_openai_app) over those builders
-  metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names
+  metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names,
+           for every replica of the app (``ReplicaMetrics``)
+  metrics_hub  the hub actor of an app that its replicas push their metrics to
   openai/  the OpenAI (and vLLM-extension) protocol: request models, responses, tools,
            structured outputs (its ``__init__`` lists the modules)
   cli      the ``raydecode`` command (generate, serve, bench)
 
-Beside them: ``serve.yaml`` (a Serve config of the app), ``cluster.yaml`` and
+Beside them: ``grafana/raydecode.json`` (a Grafana dashboard over ``/metrics``),
+``serve.yaml`` (a Serve config of the app), ``cluster.yaml`` and
 ``cluster-local.yaml`` (``ray up`` clusters), and ``README.md`` (how to deploy).
 Dependency direction: deploy -> cluster -> worker -> sampler; HTTP lives only here.
 """

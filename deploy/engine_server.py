@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.outputs import RequestOutput
-from deploy.metrics import metrics_registry
+from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, bad_request
 from deploy.openai.protocol import (
     ChatCompletionRequest,
@@ -167,7 +167,8 @@ class EngineServer:
         self.llm = AsyncLLM(self.args.model, num_workers=self.args.num_workers, **self.args.engine)
         self.model_name = self.args.model_id()
         self.created = int(time.time())
-        self.registry = metrics_registry(self.llm.engine, self.model_name)
+        #: this replica's side of /metrics across the app (deploy/metrics_hub.py)
+        self.replica_metrics = ReplicaMetrics(self.llm.engine, self.model_name)
         self.api_options = ApiOptions(
             structured_defaults=self.args.structured_outputs_config.model_dump(),
             tool_call_parser=self.args.tool_call_parser, enable_auto_tool_choice=self.args.enable_auto_tool_choice,
@@ -329,11 +330,10 @@ class EngineServer:
         body = {"status": status, "model": self.model_name, **state, "rss_bytes": psutil.Process().memory_info().rss}
         return Reply(status=200 if status == "ok" else 503, body=body)
 
-    def metrics_text(self) -> bytes:
-        """Prometheus text: vLLM's metric names, types, labels and buckets."""
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
+    def __del__(self) -> None:
+        metrics = getattr(self, "replica_metrics", None)
+        if metrics is not None:
+            metrics.close()  # the app's replica count drops now, not when the hub notices
 
     async def tokenize(self, body: TokenizeRequest) -> Reply:
         """vLLM's ``/tokenize``: a prompt, or messages through the chat template."""

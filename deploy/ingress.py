@@ -35,6 +35,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.engine_server import Reply, _sse
+from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, error_body
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -117,6 +118,9 @@ class OpenAIIngress:
         self.api_key = api_key
         self.retry_after_s = retry_after_s
         self._cards: dict[str, dict[str, Any]] = {}
+        #: /metrics: every engine replica's families, from the app's hub (the engine
+        #: replicas push theirs; this ingress has none of its own)
+        self.replica_metrics = ReplicaMetrics(None, "")
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -210,9 +214,10 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        """Prometheus text: vLLM's metric names, types, labels and buckets."""
-        texts = await asyncio.gather(*(self._call(h, "metrics_text") for h in self.engines.values()))
-        return Response(b"".join(texts), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus text: vLLM's metric names, types, labels and buckets, for every
+        engine replica of the app (each its own ``engine`` label) and the replica
+        counts."""
+        return Response(await self.replica_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:

@@ -138,8 +138,12 @@ def ingress_deployment(engines: dict[str, serve.Application], api_key: str | Non
     """The OpenAI ingress in front of ``engines`` (served model name -> bound engine
     deployment), bound; a full engine queue answers 503 with ``Retry-After``.
     ``options``: further Serve options of the ingress deployment (num_replicas, ...)."""
+    # The ingress relays the engines' streams: when it is replaced (a redeploy) it
+    # drains them for as long as an engine replica would (ServerArgs' default).
+    options = {"graceful_shutdown_timeout_s": ServerArgs.model_fields["graceful_shutdown_timeout_s"].default,
+               **(options or {})}
     return OpenAIIngress.options(
-        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=retry_after_s), **(options or {}),
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=retry_after_s), **options,
     ).bind(engines, api_key, retry_after_s)
 
 
@@ -148,4 +152,5 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     deploy.serve:build_app`` in a Serve config): the OpenAI ingress and, behind it, the
     engine deployment."""
     parsed = ServerArgs.model_validate(args or {})
-    return ingress_deployment({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s)
+    return ingress_deployment({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s,
+                              {"graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s})

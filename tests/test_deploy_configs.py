@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_TYPE
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
@@ -42,6 +44,27 @@ def test_local_provider_variant_declares_resources_in_start_commands():
     assert "--num-gpus=1" in worker_start and "raydecode_worker" in worker_start
 
 
+def test_fake_cluster_has_a_head_without_the_worker_resource():
+    """deploy/cluster-fake.yaml, as Ray's autoscaler reads it (it validates the file as
+    given: the pip wheel lacks the provider's defaults file that prepare_config merges)."""
+    config = load("cluster-fake.yaml")
+    validate_config(config)
+    assert config["provider"]["type"] == "fake_multinode"
+    types = config["available_node_types"]
+    # The provider names the head `ray.head.default`; its resources are what the `ray
+    # start --head` in the file's comment gives it.
+    assert config["head_node_type"] == FAKE_HEAD_NODE_TYPE
+    head = types[FAKE_HEAD_NODE_TYPE]
+    (num_cpus,) = set(re.findall(r"ray start --head .*--num-cpus=(\d+)", (DEPLOY / "cluster-fake.yaml").read_text()))
+    assert head["resources"] == {"CPU": int(num_cpus)} and head["max_workers"] == 0
+    workers = [t for name, t in types.items() if name != FAKE_HEAD_NODE_TYPE]
+    assert workers and all(t["resources"].get("raydecode_worker") == 1 and t["resources"].get("CPU", 0) >= 1
+                           and t["min_workers"] == 0 and t["max_workers"] >= 1 for t in workers)
+    # Keys the autoscaler reads without defaults to fill them in.
+    for key in ("file_mounts", "cluster_synced_files", "worker_setup_commands", "worker_start_ray_commands"):
+        assert key in config
+
+
 def test_validation_is_real():
     broken = load("cluster.yaml")
     broken["available_node_types"]["gpu_worker"]["min_workers"] = "one"
@@ -51,6 +74,10 @@ def test_validation_is_real():
     broken["worker_start_ray_commands"] = "ray start"  # a string, not a list
     with pytest.raises(Exception):
         validate_config(prepare_config(broken))
+    broken = load("cluster-fake.yaml")
+    broken["available_node_types"]["raydecode.worker"]["resources"] = {"CPU": "one"}
+    with pytest.raises(Exception):
+        validate_config(broken)
     broken = load("cluster-local.yaml")
     del broken["provider"]["head_ip"]
     with pytest.raises(Exception, match="head_ip"):

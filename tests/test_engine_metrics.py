@@ -104,7 +104,9 @@ def prefix_cache_samples(llm) -> tuple[float, float]:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     (queries,) = families["vllm:prefix_cache_queries"].samples
     (hits,) = families["vllm:prefix_cache_hits"].samples
-    assert queries.name == "vllm:prefix_cache_queries_total" and queries.labels == {"model_name": "tiny", "engine": "0"}
+    assert queries.name == "vllm:prefix_cache_queries_total"
+    worker = str(llm.engine.workers[0].index)  # one prefix cache per worker
+    assert queries.labels == hits.labels == {"model_name": "tiny", "engine": "0", "worker": worker}
     return queries.value, hits.value
 
 

@@ -168,6 +168,24 @@ def _running(pid: int) -> bool:
         return False
 
 
+def fault_counters(engine: LLMEngine) -> dict[str, float]:
+    """The fault counters as ``/metrics`` exposes them (``deploy/metrics.py``)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deploy.metrics import metrics_registry
+
+    text = generate_latest(metrics_registry(engine, "tiny")).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("raydecode:worker_failures_total", "raydecode:worker_restarts_total"):
+                out[s.name.removeprefix("raydecode:").removesuffix("_total")] = s.value
+            elif s.name == "raydecode:requests_requeued_total":
+                out[f"requeued_{s.labels['cause']}"] = s.value
+    return out
+
+
 def token_ids(out: RequestOutput) -> list[list[int]]:
     return [c.token_ids for c in out.outputs]
 
@@ -333,6 +351,7 @@ class TestTwoWorkers:
         settle(engine)  # both workers live: the other one serves on alone
         reference = refs("mixed")
         failures = engine.num_worker_failures
+        counted = fault_counters(engine)
         killed = []
 
         def on_step():
@@ -347,6 +366,11 @@ class TestTwoWorkers:
         assert_like_reference(finals, "k", reference)
         charges = [r.num_failures for r in handles.values()]
         assert max(charges) == 1 and sum(charges) >= 2  # the killed worker's requests, once each
+        # /metrics: a replacement started, and every request the killed worker held went
+        # back to the queue once (at least those its failed step charged)
+        grew = {k: v - counted[k] for k, v in fault_counters(engine).items()}
+        assert grew["worker_failures"] == grew["worker_restarts"] == 1, grew
+        assert sum(charges) <= grew["requeued_worker_lost"] <= len(handles) and grew["requeued_worker_reset"] == 0, grew
 
     def test_sigkill_mid_prefill_keeps_prompt_logprobs(self, two):
         llm, engine, refs = two
@@ -506,6 +530,7 @@ class TestTwoWorkers:
         llm, engine, refs = two
         reference = refs("mixed")
         failures = engine.num_worker_failures
+        counted = fault_counters(engine)
         live = {id(s): s.pid for s in engine.workers if s.live}
         codec = engine._codec
         encode, decode_reply = codec.encode, codec.decode_reply
@@ -541,6 +566,8 @@ class TestTwoWorkers:
         reason = {"send": "could not be sent", "worker_raises": "raised on step", "merge": "could not be merged"}[fault]
         assert any(reason in r.getMessage() and "re-queued" in r.getMessage() for r in caplog.records)
         assert engine.num_worker_failures == failures  # reset, not replaced
+        grew = {k: v - counted[k] for k, v in fault_counters(engine).items()}
+        assert grew["worker_restarts"] == grew["requeued_worker_lost"] == 0 and grew["requeued_worker_reset"] >= 1, grew
         assert all(s.live for s in engine.workers if id(s) in live)
         assert {id(s): s.pid for s in engine.workers if id(s) in live} == live  # the same processes
         assert_like_reference(finals, "e", reference)

@@ -475,15 +475,20 @@ def test_streamed_text_offsets_keep_counting(server):
 
 
 def scrape(server: str) -> dict:
-    """{(name, labels without model/engine): value} plus the families' types."""
+    """{(name, labels without model/engine): value} plus the families' types. One
+    replica here: every engine sample has its ``engine`` label (the Serve replica's
+    id); the replica families (``raydecode:replica...``) have none."""
     text = httpx.get(f"{server}/metrics").text
-    samples, types = {}, {}
+    samples, types, engines = {}, {}, set()
     for family in text_string_to_metric_families(text):
         types[family.name] = family.type
         for s in family.samples:
-            assert s.labels.get("model_name") == "tiny" and s.labels.get("engine") == "0", s
+            assert s.labels.get("model_name") == "tiny", s
+            if not family.name.startswith("raydecode:replica"):
+                engines.add(s.labels.get("engine"))
             rest = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
             samples[(s.name, rest)] = s.value
+    assert len(engines) == 1 and None not in engines, engines
     return {"samples": samples, "types": types}
 
 
@@ -504,9 +509,16 @@ def test_metrics_have_vllms_names_and_count_what_ran(server, ref):
     for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                  "vllm:e2e_request_latency_seconds"):
         assert types[name] == "histogram", name
-    for name in ("raydecode:workers_live", "raydecode:workers_configured", "raydecode:ranks_per_worker"):
+    for name in ("raydecode:workers_live", "raydecode:workers_starting", "raydecode:workers_configured",
+                 "raydecode:ranks_per_worker", "raydecode:replicas_live"):
         assert types[name] == "gauge", name
-    assert types["raydecode:worker_failures"] == "counter"
+    for name in ("raydecode:worker_failures", "raydecode:worker_restarts", "raydecode:requests_requeued",
+                 "raydecode:replica_scale_events"):
+        assert types[name] == "counter", name
+    assert before["samples"][("raydecode:replicas_live", ())] == 1
+    assert before["samples"][("raydecode:replica_scale_events_total", (("direction", "up"),))] >= 1
+    for cause in ("worker_lost", "worker_reset"):
+        assert before["samples"][("raydecode:requests_requeued_total", (("cause", cause),))] == 0
     live = before["samples"][("raydecode:workers_live", ())]
     assert live == before["samples"][("raydecode:workers_configured", ())] >= 1
     assert before["samples"][("raydecode:ranks_per_worker", ())] == 1

@@ -104,20 +104,33 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(server, tiny
     assert running() == 1
     expected = {p: plain_text(server, p, 24) for p in PROMPTS}
     results: dict[str, str] = {}
+    stop = threading.Event()
+    sent: list[str] = []
+
+    def load(i: int) -> None:  # one closed-loop client: a 4-6 s stream after another
+        round_ = 0
+        while not stop.is_set():
+            key = f"{PROMPTS[i]}#{round_}"
+            sent.append(key)
+            stream_text(server, PROMPTS[i], 24, 200, results, key)
+            round_ += 1
+
     start = time.monotonic()
-    threads = [threading.Thread(target=stream_text, args=(server, p, 24, 150, results, p)) for p in PROMPTS[:4]]
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    up = wait_for(lambda: running() == 2, timeout=90)
-    print(f"\nscale-up: a second engine replica running {up:.1f} s after 4 streams began (target 1 each)")
-    for t in threads:
-        t.join(timeout=180)
-    assert results == {p: expected[p] for p in PROMPTS[:4]}
-    idle = time.monotonic()
-    down = wait_for(lambda: engine_replicas() == {"RUNNING": 1}, timeout=90)
-    print(f"scale-down: back to 1 replica {down:.1f} s after the load stopped "
-          f"(downscale_delay_s 3; {time.monotonic() - start:.1f} s in all)")
-    assert idle - start > 0
+    try:
+        up = wait_for(lambda: running() == 2, timeout=180)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    print(f"\nscale-up: a second engine replica running {up:.1f} s after 4 closed-loop streams began (target 1 each)")
+    assert sent and sorted(results) == sorted(sent)
+    assert all(results[k] == expected[k.split("#")[0]] for k in sent), results
+    down = wait_for(lambda: engine_replicas() == {"RUNNING": 1}, timeout=120)
+    print(f"scale-down: back to 1 replica {down:.1f} s after the load stopped (downscale_delay_s 3); "
+          f"{len(sent)} streams, all whole, {time.monotonic() - start:.1f} s in all")
     assert plain_text(server, PROMPTS[5], 24) == expected[PROMPTS[5]]
 
 
@@ -155,14 +168,15 @@ def test_scale_down_and_redeploy_finish_the_streams_in_flight(server, tiny_model
 
 
 def engine_replica_actor(app: str = APP):
-    """The actor handle of the (one) live engine replica."""
+    """The actor handle of the (one) live engine replica (Serve names its replica actors
+    ``SERVE_REPLICA::<app>#<deployment>#<id>`` in the "serve" namespace)."""
     import ray
-    from ray.util.state import list_actors
 
-    live = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name == f"ServeReplica:{app}:LLMEngine"]
-    assert len(live) == 1, live
-    return ray.get_actor(live[0].name, namespace="serve")
+    prefix = f"SERVE_REPLICA::{app}#LLMEngine#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
 
 
 def test_a_dead_engine_replica_is_a_clean_503_and_comes_back(server, tiny_model_path):

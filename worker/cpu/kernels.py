@@ -68,12 +68,17 @@ def build_dir() -> Path:
     """One build per source, torch installation and compiler flags (the instruction-set
     level among them: a home shared by different CPUs never loads a build the CPU
     cannot run). The installation's path counts because the build files name its
-    headers: two virtual environments sharing one build would make each other rebuild."""
+    headers, and the sources' folder because they name the sources: two virtual
+    environments, or two checkouts (git worktrees) of the same sources, sharing one
+    build would make each other rebuild, every time the other one had loaded it (ninja
+    sees another command), and a worker waits for that build (minutes on a busy host)."""
     from worker.runner.model_loader import cache_dir
 
     flags = " ".join(compiler_flags())
     torch_home = os.path.dirname(torch.__file__)
-    key = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + torch.__version__.encode() + torch_home.encode() + flags.encode()
+    where = "\0".join(str(path.resolve()) for path in SOURCES + HEADERS)
+    key = (b"".join(source.read_bytes() for source in SOURCES + HEADERS) + torch.__version__.encode()
+           + torch_home.encode() + flags.encode() + where.encode())
     digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_dir() / "kernels" / f"cpu_kernels-{digest}"
 
