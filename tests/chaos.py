@@ -9,15 +9,18 @@
   own dashboard, never whichever Ray on the machine started last), node removal.
 - ``Spec``/``make_specs``: a deterministic mix of requests (completions and chat,
   streaming and not, greedy and seeded temperature > 0) on the tiny model's words.
-- ``run_load``: many concurrent HTTP clients (httpx async) sending specs, each request
-  bounded by a deadline, every answer recorded as an ``Outcome``: its text and finish
-  reason, or exactly what went wrong (an HTTP status, an error event in the stream, a
-  stream cut without ``[DONE]``, a dropped connection, a timeout).
+- ``run_load`` (``Load``: the same on a thread of its own): many concurrent HTTP clients
+  (httpx async) sending specs, each request bounded by a deadline, every answer recorded
+  as an ``Outcome``: its text and finish reason, or exactly what went wrong (an HTTP
+  status, an error event in the stream, a stream cut without ``[DONE]``, a dropped
+  connection, a timeout).
 - ``tally``: answers against an undisturbed run's texts: lost (no whole 200 answer),
   duplicated (an answer for another request id, two finishes or two ``[DONE]``s in one
   stream, the same response id twice) and wrong (another text).
-- ``engine_successes`` (``/metrics``), ``health``, ``proc_figures`` (RSS, threads, open
-  files of a PID).
+- ``engine_successes`` (``/metrics``), ``health``, ``wait_recovered``, ``proc_figures``
+  (RSS, threads, open files of a PID), ``replica_request_ids`` (a replica's access log).
+- Faults (``kill_worker``, ``remove_worker_node``) and ``soak``: closed-loop load for a
+  while with a fault every so often, sampling the replica's and workers' figures.
 """
 
 from __future__ import annotations
@@ -116,9 +119,10 @@ class ChaosCluster:
     def replicas(self) -> list[Any]:
         return self.actors(f"ServeReplica:{self.app}:")
 
-    def serve_nodes(self) -> set[str]:
-        """Nodes that run any of Serve's actors (controller, proxy, replicas)."""
-        return {a.node_id for a in self.actors("Serve") + self.actors("ProxyActor")}
+    def other_actor_nodes(self) -> set[str]:
+        """Nodes that run any actor but a worker (Serve's controller, proxy and
+        replicas, the app's metrics hub, ...)."""
+        return {a.node_id for a in self.actors("") if a.class_name != "Worker"}
 
     # -- the app --
 
@@ -603,14 +607,14 @@ def kill_worker(cl: ChaosCluster, rng: random.Random) -> Fault:
 
 
 def remove_worker_node(cl: ChaosCluster, rng: random.Random) -> Fault:
-    """Removes a worker node that hosts a worker and none of Serve's actors, then adds a
-    fresh node (what an autoscaler would do) so the replacement has room."""
-    serve_nodes = cl.serve_nodes()
+    """Removes a worker node that hosts a worker and no other actor (none of Serve's),
+    then adds a fresh node (what an autoscaler would do) so the replacement has room."""
+    others = cl.other_actor_nodes()
     nodes = {n.node_id for n in cl.worker_nodes}
-    candidates = sorted((w for w in cl.workers() if w.node_id in nodes and w.node_id not in serve_nodes),
+    candidates = sorted((w for w in cl.workers() if w.node_id in nodes and w.node_id not in others),
                         key=lambda a: a.pid)
     if not candidates:
-        raise RuntimeError(f"every worker node also runs a Serve actor: {serve_nodes}")
+        raise RuntimeError(f"every worker node also runs another actor (Serve's?): {others}")
     victim = rng.choice(candidates)
     at = time.monotonic()
     cl.remove_node(victim.node_id)

@@ -206,12 +206,14 @@ def test_removing_the_node_of_a_worker_under_load_loses_nothing(chaos: ChaosClus
 
 def test_a_short_soak_loses_nothing_and_leaks_nothing(chaos: ChaosCluster, one_replica: str) -> None:
     expected = reference(one_replica)
-    settings = SoakSettings(duration_s=50, warmup_s=10, fault_every_s=15, concurrency=8, timeout_s=TIMEOUT_S,
+    # The first fault comes about 15 s after the warm-up sample, the second 15 s after
+    # the first (or once the first has recovered): two or three faults in 55 s.
+    settings = SoakSettings(duration_s=55, warmup_s=10, fault_every_s=15, concurrency=8, timeout_s=TIMEOUT_S,
                             green_deadline_s=GREEN_S, seed=5)
     report = soak(chaos, one_replica, SPECS, expected, settings)
     print("\n".join(report.lines()))
     t = report.tally
-    assert len(report.faults) == 2 and {f.kind for f in report.faults} == {"worker SIGKILL", "node removal"}
+    assert {f.kind for f in report.faults} == {"worker SIGKILL", "node removal"}, report.faults
     assert t.ok > 2 * settings.concurrency and not t.lost and not t.duplicated and not t.wrong, t.summary()
     assert report.engine_finished == t.sent, (report.engine_finished, t.summary())
     assert all(report.flat(0.10).values()), "\n".join(report.lines())
