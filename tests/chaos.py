@@ -117,7 +117,9 @@ class ChaosCluster:
         return [a for a in self.actors("Worker") if a.class_name == "Worker"]
 
     def replicas(self) -> list[Any]:
-        return self.actors(f"ServeReplica:{self.app}:")
+        """The app's engine replicas (each an engine and its workers; the ingress in
+        front of them holds no engine)."""
+        return self.actors(f"ServeReplica:{self.app}:LLMEngine")
 
     def other_actor_nodes(self) -> set[str]:
         """Nodes that run any actor but a worker (Serve's controller, proxy and
@@ -567,7 +569,9 @@ def replica_request_ids(cl: ChaosCluster, replica_name: str) -> dict[str, int]:
     """Request id -> HTTP status of every request the replica named ``replica_name``
     (``SERVE_REPLICA::<app>#<deployment>#<id>``) finished, from its access log (Serve
     takes the client's ``x-request-id`` as its request id and logs each request when it
-    ends: ``... <replica id> <request id> -- POST /v1/completions 200 12.3ms``)."""
+    ends: ``... <replica id> <request id> -- POST /v1/completions 200 12.3ms``; an engine
+    replica, called by the ingress through a handle under the same request id, logs
+    ``... -- CALL completions OK 12.3ms``)."""
     replica_id = replica_name.rsplit("#", 1)[-1]
     folder = os.path.join(cl.cluster.head_node.get_session_dir_path(), "logs", "serve")
     found: dict[str, int] = {}
@@ -578,8 +582,12 @@ def replica_request_ids(cl: ChaosCluster, replica_name: str) -> dict[str, int]:
             for line in f:
                 head, sep, tail = line.partition(" -- ")
                 parts, rest = head.split(), tail.split()
-                if sep and len(parts) >= 2 and parts[-2] == replica_id and len(rest) >= 3 and rest[2].isdigit():
+                if not (sep and len(parts) >= 2 and parts[-2] == replica_id and len(rest) >= 3):
+                    continue
+                if rest[2].isdigit():
                     found[parts[-1]] = int(rest[2])
+                elif rest[0] == "CALL" and rest[2] in ("OK", "ERROR"):
+                    found[parts[-1]] = 200 if rest[2] == "OK" else 500
     return found
 
 
