@@ -517,9 +517,7 @@ def wait_until(predicate: Callable[[], bool], deadline_s: float, what: str, ever
         time.sleep(every_s)
 
 
-def engine_successes(url: str) -> int:
-    """``vllm:request_success_total`` summed over finish reasons (the replica that
-    answers ``/metrics``)."""
+def _successes_now(url: str) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
     r = httpx.get(f"{url}/metrics", timeout=30)
@@ -530,6 +528,23 @@ def engine_successes(url: str) -> int:
             if sample.name == "vllm:request_success_total":
                 total += sample.value
     return int(total)
+
+
+def engine_successes(url: str, settle_s: float = 30.0) -> int:
+    """``vllm:request_success_total`` summed over finish reasons and engine replicas,
+    once it is settled: the ingress answers ``/metrics`` from what the engine replicas
+    pushed to the app's metrics hub (every ``PUSH_INTERVAL_S``), so it is read until two
+    reads a push interval apart agree."""
+    from deploy.metrics_hub import PUSH_INTERVAL_S
+
+    end = time.monotonic() + settle_s
+    last = _successes_now(url)
+    while True:
+        time.sleep(PUSH_INTERVAL_S + 0.5)
+        now = _successes_now(url)
+        if now == last or time.monotonic() > end:
+            return now
+        last = now
 
 
 @dataclass(frozen=True)
