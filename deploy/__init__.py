@@ -4,6 +4,8 @@ Modules:
   serve    the Ray Serve application's arguments (ServerArgs) and builders (build_app)
   ingress  the OpenAI HTTP ingress deployment: routes, validation, API key, routing by model
   engine_server  the engine deployment: AsyncLLM behind the OpenAI protocol, called by the ingress
+  request_router  the ingress's handle policy: each prompt to the engine replica that cached
+           its prefix, within a load-imbalance guard (Serve's request-router API)
   serve_llm  Ray Serve LLM's config shape (LLMConfig, build_openai_app) over those builders
   metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names,
            for every replica of the app (``ReplicaMetrics``)

@@ -212,6 +212,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="a replica leaving finishes its in-flight requests for up to this long (default 60)")
     r.add_argument("--max-ongoing-requests", type=int, default=None, help="per replica, in the engine at once")
     r.add_argument("--max-queued-requests", type=int, default=None, help="waiting for a replica; beyond: 503")
+    r.add_argument("--request-router", choices=("prefix_aware", "power_of_two"), default=None,
+                   help="how the ingress picks a replica: prefix_aware (to the one that cached the prompt's prefix, "
+                        "within a load-imbalance guard) or power_of_two (Serve's); default: prefix_aware when the "
+                        "engine caches prefixes")
+    r.add_argument("--request-router-kwargs", type=_json_of(dict), default=None, metavar="JSON",
+                   help='the prefix-aware router\'s settings, e.g. \'{"imbalanced_threshold": 16}\' (requests a '
+                        "replica may have in flight beyond the least busy one and still get its prefixes; default 8)")
     _engine_flags(srv)
 
     bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
@@ -271,7 +278,8 @@ def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
         out["autoscaling_config"] = scaling
     elif args.num_replicas is not None:
         out["num_replicas"] = args.num_replicas
-    for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests"):
+    for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests", "request_router",
+                 "request_router_kwargs"):
         if getattr(args, flag) is not None:
             out[flag] = getattr(args, flag)
     from pydantic import ValidationError

@@ -11,7 +11,7 @@ Serve config (``deploy/serve.yaml``: ``import_path: deploy.serve:build_app``); t
 arguments are ``ServerArgs``. Logits processors are named only here, in ``engine``.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 import ray
@@ -24,6 +24,7 @@ from deploy.engine_server import EngineServer
 from deploy.ingress import OpenAIIngress
 from deploy.openai.tool_parsers import TOOL_PARSERS
 from deploy.openai.tools import DEFAULT_MAX_TOOLS
+from deploy.request_router import check_router_kwargs, router_options
 from worker.runner.model_loader import DEFAULT_MODEL_NAME
 
 
@@ -67,6 +68,14 @@ class ServerArgs(BaseModel):
     graceful_shutdown_timeout_s: float = 60.0
     #: Ray runtime_env of the engine replicas and their workers (env_vars, py_modules, ...)
     runtime_env: dict[str, Any] | None = None
+    #: how the ingress picks an engine replica: "prefix_aware" (the one that cached the
+    #: longest prefix of the prompt, within a load-imbalance guard; deploy/request_router.py)
+    #: or "power_of_two" (Serve's default). None: prefix_aware when the engine caches
+    #: prefixes (engine enable_prefix_caching, the default), else power_of_two
+    request_router: Literal["prefix_aware", "power_of_two"] | None = None
+    #: the prefix-aware router's settings: imbalanced_threshold (default 8 requests),
+    #: match_rate_threshold, min_match_chars, eviction_threshold_chars, ...
+    request_router_kwargs: dict[str, Any] = {}
     # -- tools and structured outputs (vLLM's flag names) --
     tool_call_parser: str | None = None  # the model's tool call format for tool_choice "auto": hermes, llama3_json
     enable_auto_tool_choice: bool = False  # allow tool_choice "auto" (needs tool_call_parser), as vLLM
@@ -96,6 +105,10 @@ class ServerArgs(BaseModel):
                 raise ValueError(f"autoscaling_config: {exc}") from None
         if self.graceful_shutdown_timeout_s < 0:
             raise ValueError(f"graceful_shutdown_timeout_s must be >= 0, got {self.graceful_shutdown_timeout_s}")
+        if self.request_router_kwargs and self.request_router == "power_of_two":
+            raise ValueError("request_router_kwargs: settings of the prefix-aware router, but request_router is "
+                             "power_of_two")
+        check_router_kwargs(self.request_router_kwargs)
         return self
 
 
@@ -120,6 +133,7 @@ def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
         options.update(num_replicas="auto", autoscaling_config=parsed.autoscaling_config)
     else:
         options.update(num_replicas=parsed.num_replicas)
+    options.update(router_options(parsed.request_router, parsed.request_router_kwargs, engine.enable_prefix_caching))
     replica_options: dict[str, Any] = {"num_cpus": 0, **(actor_options or {})}
     if parsed.runtime_env is not None:
         replica_options["runtime_env"] = parsed.runtime_env

@@ -18,7 +18,10 @@ does. The fields map to ``ServerArgs`` / ``EngineConfig``:
   own ``EngineConfig`` names are accepted too; a vLLM-only argument, LoRA or prefill/decode
   disaggregation is a ``ValueError`` that names the argument and says why.
 * ``deployment_config``: the engine deployment's Serve options (replicas or
-  ``autoscaling_config``, queue bounds, drain time, ``ray_actor_options``, health checks).
+  ``autoscaling_config``, queue bounds, drain time, ``ray_actor_options``, health checks,
+  ``request_router_config``: Ray's ``PrefixCacheAffinityRouter`` becomes raydecode's
+  prefix-aware router with the same ``request_router_kwargs``; left out, the engine's
+  default applies: prefix-aware routing).
 * ``accelerator_type``: every worker requires Ray's ``accelerator_type:<T>`` resource;
   building fails when no node of the running cluster has it and no autoscaler could add one.
 * ``runtime_env``: the engine replicas' and their workers' runtime_env.
@@ -45,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_
 from ray import serve
 
 from cluster.config import EngineConfig
+from deploy.request_router import from_ray_serve_llm
 from deploy.serve import ServerArgs, StructuredOutputsConfig, engine_deployment, ingress_deployment
 
 logger = logging.getLogger("ray.serve")
@@ -334,6 +338,10 @@ def map_deployment_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[
     if config.get("user_config") is not None:
         raise ValueError("deployment_config.user_config: not supported: raydecode's engine deployment has no "
                          "reconfigure(); change engine settings in engine_kwargs (a redeploy)")
+    if config.get("request_router_config") is not None:
+        # Ray's prefix-aware router cannot read our requests (and importing it needs
+        # pyarrow): ours, with its keyword arguments. Before Serve's check, which imports it.
+        config = {**config, "request_router_config": from_ray_serve_llm(config["request_router_config"])}
     _serve_checked("deployment_config", config)
     server: dict[str, Any] = {}
     replicas, autoscaling = config.get("num_replicas"), config.get("autoscaling_config")
