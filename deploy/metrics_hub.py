@@ -46,8 +46,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 logger = logging.getLogger("raydecode")
 
 NAMESPACE = "raydecode_metrics"
-#: seconds between a replica's pushes
-PUSH_INTERVAL_S = 2.0
+#: seconds between a replica's pushes (the most a scrape's figures lag the engines)
+PUSH_INTERVAL_S = 1.0
 #: a replica silent this long has left (hung, or its node went unseen)
 TTL_S = 15.0
 #: a replica silent this long has its actor probed: a dead one leaves at once

@@ -41,7 +41,7 @@ def server(ray_local, tiny_model_path):
     app = build_app({
         "model": tiny_model_path, "served_model_name": "tiny", "api_key": KEY, "chat_template": TEMPLATE,
         "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1,
-                   "logits_processors": ["procs_for_tests:BanLastTokenAdapter"]},
+                   "logits_processors": ["procs_for_tests:BanLastTokenAdapter", "procs_for_tests:SlowStepAdapter"]},
         "max_ongoing_requests": 32, "max_queued_requests": 64, "runtime_env": {"env_vars": {"PYTHONPATH": path}},
     })
     serve.run(app, name="api", route_prefix="/")
@@ -498,9 +498,24 @@ def settle(server: str) -> None:
         time.sleep(0.1)
 
 
-def test_metrics_have_vllms_names_and_count_what_ran(server, ref):
+def settled_scrape(server: str) -> dict:
+    """``scrape`` once the figures stop moving: the ingress answers ``/metrics`` from
+    what the engine replicas last pushed to the app's hub (every ``PUSH_INTERVAL_S``)."""
+    from deploy.metrics_hub import PUSH_INTERVAL_S
+
     settle(server)
-    before = scrape(server)
+    deadline = time.monotonic() + 30
+    last = scrape(server)
+    while True:
+        time.sleep(PUSH_INTERVAL_S + 0.3)
+        now = scrape(server)
+        if now["samples"] == last["samples"] or time.monotonic() > deadline:
+            return now
+        last = now
+
+
+def test_metrics_have_vllms_names_and_count_what_ran(server, ref):
+    before = settled_scrape(server)
     types = before["types"]
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert types[name] == "gauge", name
@@ -536,8 +551,7 @@ def test_metrics_have_vllms_names_and_count_what_ran(server, ref):
         usages.append(r["usage"])
         reasons.append(r["choices"][0]["finish_reason"])
     assert reasons == ["length"] * 3 + ["stop"]
-    settle(server)
-    after = scrape(server)
+    after = settled_scrape(server)
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -562,13 +576,18 @@ def test_metrics_show_a_running_request(server):
     seen: dict = {}
     started = threading.Event()
 
-    def scrape_while_streaming() -> None:
+    def scrape_while_streaming() -> None:  # until the replicas' pushes show it running
         started.wait(60)
-        seen.update(scrape(server)["samples"])
+        deadline = time.monotonic() + 20
+        while not seen.get(("vllm:num_requests_running", ())) and time.monotonic() < deadline:
+            seen.update(scrape(server)["samples"])
+            time.sleep(0.2)
 
     prober = threading.Thread(target=scrape_while_streaming)
     prober.start()
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    # 20 ms a step (a test logits processor): the stream outlasts the metrics' pushes
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
+            "vllm_xargs": {"step_sleep_ms": 20}}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=HEADERS, timeout=120) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 2:
