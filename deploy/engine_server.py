@@ -19,7 +19,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -378,20 +378,20 @@ class EngineServer:
 
     async def completions(self, body: CompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
         """``/v1/completions``: a ``Reply``, then the event text when it streams."""
-        try:
-            reply, events = await self._completions(body, request_id)
-        except APIError as exc:
-            yield error_reply(exc)
-            return
-        yield reply
-        if events is not None:
-            async for text in coalesce(events):
-                yield text
+        async for item in self._respond(self._completions(body, request_id)):
+            yield item
 
     async def chat(self, body: ChatCompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
         """``/v1/chat/completions``: a ``Reply``, then the event text when it streams."""
+        async for item in self._respond(self._chat(body, request_id)):
+            yield item
+
+    @staticmethod
+    async def _respond(prepared: Awaitable[tuple[Reply, AsyncIterator[str] | None]]) -> AsyncIterator[Any]:
+        """The items of a generation call: its head (``Reply``, an error's too), then
+        its event text, coalesced."""
         try:
-            reply, events = await self._chat(body, request_id)
+            reply, events = await prepared
         except APIError as exc:
             yield error_reply(exc)
             return
