@@ -1,9 +1,28 @@
 """``ray up`` tested for real without a cloud: ``deploy/cluster-fake.yaml`` (Ray's
 ``fake_multinode`` provider, every node it launches a raylet on this machine) starts
 with its head alone; ``raydecode serve --address auto`` deploys onto it as the README
-tells a user; Ray's autoscaler adds a ``raydecode.worker`` node for each model worker;
-the endpoint answers with the model's greedy continuation; after Ctrl-C the idle nodes
-are removed, their processes with them.
+tells a user, its engine replicas autoscaled (1 to 2, one model worker each, the workers
+on ``raydecode.worker`` nodes). In one run:
+
+- the first replica's worker makes Ray's autoscaler add a node; the endpoint answers
+  with the model's greedy continuation (HF transformers');
+- closed-loop streaming clients raise the load: Serve adds a second replica, whose
+  worker makes the autoscaler add a second node (the cold start: load began -> new
+  replica RUNNING, that node's start and the model load on it included);
+- a long stream begins, then the load stops: Serve removes the new replica while a long
+  stream runs there, the replica finishes it (the drain), and its idle node goes (if the
+  router put the first long stream on the replica that stays, a second one is sent when
+  the new replica is the idle one: it goes there and outlasts the first);
+- every request sent (the load's, the long stream, the checks) answers with the text
+  of the same request run undisturbed: none lost;
+- after Ctrl-C the last node goes too, its processes with it.
+
+Streams last as long as the test needs on any machine through a logits processor that
+sleeps at each step of the requests that ask (``procs_for_tests.SlowStepAdapter``,
+changing no logit); the cluster's processes (the head's ``ray start``, and through it
+the autoscaler and every node it starts) get ``tests/`` on their ``PYTHONPATH`` to
+import it. This process connects to the cluster as a driver only to read
+``serve.status()`` and the engine replicas' ids (their actors' names).
 
 The cluster is this test's own: its own GCS port and temp dir, and at the end exactly
 its processes are stopped (those that name the temp dir or keep a file open in it, and
@@ -11,15 +30,17 @@ their children), never other Rays on the machine (no ``ray stop``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,10 +56,21 @@ if TYPE_CHECKING:
     from ray.autoscaler.v2.schema import ClusterStatus
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = Path(__file__).resolve().parent
 WORKER_RESOURCE = "raydecode_worker"
-NUM_WORKERS = 2
+APP = "raydecode"  # the name `raydecode serve` gives its Serve application
+MAX_REPLICAS = 2  # one model worker each: a raydecode.worker node each (the YAML allows 2)
+#: Serve's up- and down-scale delays, short for a test (Serve's defaults: 30 s and 600 s)
+SCALING = {"upscale_delay_s": 1, "downscale_delay_s": 5, "metrics_interval_s": 0.5, "look_back_period_s": 1}
 PROMPTS = ["the quick brown fox", "ray schedules actors", "a stitch in time", "tokens flow through"]
 MAX_TOKENS = 16
+LOAD_TOKENS = 8  # short load streams: those in flight when the load stops end soon after
+LOAD_CLIENTS = 3  # closed-loop streams against target_ongoing_requests 1: wants 3 replicas, gets MAX_REPLICAS
+LOAD_SLEEP_MS = 50  # per step of each load stream: the load paces itself, the nodes can start meanwhile
+#: (prompt, tokens) of the long streams: the first, sent under load; the second, sent only
+#: if the first ran on the replica that stays, outlasts the first by the scale-down delay
+LONG = [("a long stream that outlives its replica", 48), ("a second long stream, for the replica that goes", 72)]
+LONG_SLEEP_MS = 400  # 48 steps of >= 0.4 s: in flight well past the scale-down decision (~10 s after the load)
 
 
 def cluster_processes(temp_dir: str) -> list[psutil.Process]:
@@ -92,6 +124,8 @@ class FakeCluster:
         head_cpus = config["available_node_types"][config["head_node_type"]]["resources"]["CPU"]
         config_path = Path(self.temp_dir) / "cluster.yaml"
         config_path.write_text(yaml.safe_dump(config))
+        # The nodes' raylets are started by the autoscaler, which `ray start` starts: they
+        # all inherit this environment (tests/ on PYTHONPATH: the test's logits processor).
         env = self.env() | {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
         env.pop("RAY_ADDRESS", None)
         out = Path(self.temp_dir) / "ray-start.log"
@@ -107,7 +141,8 @@ class FakeCluster:
         assert started.returncode == 0, out.read_text()[-5000:]
 
     def env(self) -> dict[str, str]:
-        return os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
+        return os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": path}
 
     def stop(self) -> list[str]:
         left = stop_processes(self.temp_dir)
@@ -118,16 +153,39 @@ class FakeCluster:
 @dataclass
 class Observer:
     """The cluster as its GCS sees it (no driver connection): node table and the
-    autoscaler's view (resource demands, per-node usage and idle time)."""
+    autoscaler's view (resource demands, per-node usage and idle time), sampled by a
+    thread of its own while ``sampling()``: a demand a new node meets within a second is
+    seen however long the test waits on something else meanwhile (an endpoint that
+    holds a request until its replica runs)."""
 
     address: str
     demand_seen_at: float | None = None  # wall time a worker-resource demand was first seen
     idle_since: dict[str, float] = field(default_factory=dict)  # node id -> wall time it went idle
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         from ray._raylet import GcsClient
 
         self.gcs = GcsClient(address=self.address)
+
+    @contextlib.contextmanager
+    def sampling(self, every: float = 0.2):
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(every):
+                try:
+                    self.poll()
+                except Exception:  # a slow GCS on a loaded machine: the next sample
+                    pass
+
+        thread = threading.Thread(target=sample, name="autoscaler-sampler", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join(timeout=30)
 
     def nodes(self) -> dict[str, Any]:
         """Node id (hex) -> GcsNodeInfo, dead ones included."""
@@ -139,17 +197,20 @@ class Observer:
         return {nid: n for nid, n in self.nodes().items()
                 if n.state == GcsNodeInfo.ALIVE and n.resources_total.get(WORKER_RESOURCE)}
 
-    def poll(self, record_idle: bool = False) -> ClusterStatus:
-        """The autoscaler's view now; notes the first worker-resource demand and, with
-        ``record_idle``, when each idle node went idle."""
+    def poll(self) -> ClusterStatus:
+        """The autoscaler's view now; notes the first worker-resource demand and when
+        each idle node went idle (forgotten when it is busy again)."""
         from ray.autoscaler.v2.sdk import get_cluster_status
 
         status = get_cluster_status(self.address)
         now = time.time()
         demands = status.resource_demands.ray_task_actor_demand + status.resource_demands.placement_group_demand
-        if self.demand_seen_at is None and any(WORKER_RESOURCE in b.bundle for d in demands for b in d.bundles_by_count):
-            self.demand_seen_at = now
-        if record_idle:
+        with self._lock:
+            if self.demand_seen_at is None and any(WORKER_RESOURCE in b.bundle for d in demands
+                                                   for b in d.bundles_by_count):
+                self.demand_seen_at = now
+            for n in status.active_nodes:
+                self.idle_since.pop(n.node_id, None)
             for n in status.idle_nodes:
                 self.idle_since.setdefault(n.node_id, now - n.resource_usage.idle_time_ms / 1000)
         return status
@@ -174,11 +235,15 @@ def node_processes(temp_dir: str, node_id: str) -> list[str]:
 
 
 def serve_on(cluster: FakeCluster, model: str, port: int, log: Any) -> subprocess.Popen:
-    """``raydecode serve --address auto``, "auto" being this cluster (RAY_ADDRESS)."""
+    """``raydecode serve --address auto``, "auto" being this cluster (RAY_ADDRESS): the
+    engine replicas autoscaled between 1 and MAX_REPLICAS, a worker each on a
+    raydecode.worker node."""
     return subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", model, "--address", "auto", "--port", str(port),
-         "--worker-resources", json.dumps({WORKER_RESOURCE: 1}), "--num-workers", str(NUM_WORKERS),
-         "--max-model-len", "256", "--max-num-seqs", "8"],
+         "--worker-resources", json.dumps({WORKER_RESOURCE: 1}), "--num-workers", "1",
+         "--min-replicas", "1", "--max-replicas", str(MAX_REPLICAS), "--target-ongoing-requests", "1",
+         "--autoscaling-config", json.dumps(SCALING), "--graceful-shutdown-timeout-s", "60",
+         "--logits-processors", "procs_for_tests:SlowStepAdapter", "--max-model-len", "256", "--max-num-seqs", "8"],
         cwd=ROOT, env=cluster.env() | {"RAY_ADDRESS": cluster.address}, stdout=log, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
@@ -187,6 +252,177 @@ def serve_on(cluster: FakeCluster, model: str, port: int, log: Any) -> subproces
 def log_tail(log: Any) -> str:
     log.seek(0)
     return log.read()[-5000:]
+
+
+@contextlib.contextmanager
+def driver(address: str):
+    """This process connected to the fake cluster (for ``serve.status()``); a shared
+    local Ray it had is shut down meanwhile and started again after."""
+    import ray
+
+    from conftest import start_local_ray
+
+    had_local = ray.is_initialized()
+    ray.shutdown()
+    ray.init(address=address, log_to_driver=False, namespace="rdfake-test")
+    httpx_log = logging.getLogger("httpx")
+    level = httpx_log.level
+    httpx_log.setLevel(logging.WARNING)  # Ray's log setup would show every request
+    try:
+        yield
+    finally:
+        httpx_log.setLevel(level)
+        ray.shutdown()
+        if had_local:
+            start_local_ray()
+
+
+def engine_replicas() -> dict[str, int]:
+    """The engine deployment's replicas by state (STARTING, RUNNING, STOPPING, ...)."""
+    from ray import serve
+
+    status = serve.status().applications[APP].deployments["LLMEngine"]
+    return {str(getattr(k, "value", k)): v for k, v in status.replica_states.items()}
+
+
+def engine_replica_ids() -> set[str]:
+    """The live engine replicas' ids (Serve names its replica actors
+    ``SERVE_REPLICA::<app>#<deployment>#<id>``; the id is the ``engine`` label of their
+    metrics)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#LLMEngine#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and a["name"].startswith(prefix)}
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    """The app's ``/metrics`` (every engine replica's, through the ingress):
+    (sample name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(r.text) for s in f.samples]
+
+
+def per_engine(samples: list, name: str) -> dict[str, float]:
+    """``name`` by ``engine`` label (a replica id)."""
+    return {labels["engine"]: value for n, labels, value in samples if n == name}
+
+
+def app_series(samples: list, name: str, **match: str) -> float:
+    """The one value of ``name`` whose labels include ``match``."""
+    (value,) = [v for n, labels, v in samples if n == name and match.items() <= labels.items()]
+    return value
+
+
+def stream(port: int, prompt: str, max_tokens: int, sleep_ms: int,
+           began: threading.Event | None = None) -> tuple[str, str | None]:
+    """A streaming greedy completion: (its text, None) when it ended with ``[DONE]``,
+    else (the text so far, how it ended). ``began`` is set at its first text."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "vllm_xargs": {"step_sleep_ms": sleep_ms}}
+    parts: list[str] = []
+    done = False
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=180) as r:
+            if r.status_code != 200:
+                return "", f"HTTP {r.status_code}: {r.read()[:300]!r}"
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        return "".join(parts), f"error event: {chunk['error']}"
+                    parts.append(chunk["choices"][0]["text"])
+                    if began is not None:
+                        began.set()
+    except httpx.HTTPError as exc:
+        return "".join(parts), f"{type(exc).__name__}: {exc}"
+    return "".join(parts), None if done else f"no [DONE] after {len(parts)} chunks"
+
+
+@dataclass
+class Outcome:
+    """One request: its prompt and length, when it was sent and ended, its text or error."""
+
+    prompt: str
+    max_tokens: int
+    sent_at: float
+    ended_at: float = 0.0
+    text: str = ""
+    error: str | None = "not ended"
+
+
+class Load:
+    """Closed-loop streaming clients: each sends its prompt's stream again as soon as
+    the last one ended, until ``stop``."""
+
+    def __init__(self, port: int, clients: int) -> None:
+        self.port = port
+        self.stop = threading.Event()
+        self.outcomes: list[Outcome] = []  # every request sent, in order
+        self.threads = [threading.Thread(target=self._client, args=(PROMPTS[i % len(PROMPTS)],), daemon=True)
+                        for i in range(clients)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def _client(self, prompt: str) -> None:
+        while not self.stop.is_set():
+            outcome = Outcome(prompt, LOAD_TOKENS, time.time())
+            self.outcomes.append(outcome)
+            outcome.text, outcome.error = stream(self.port, prompt, LOAD_TOKENS, LOAD_SLEEP_MS)
+            outcome.ended_at = time.time()
+
+    def finish(self, timeout: float) -> bool:
+        """Stops the clients after their streams in flight; False if one hangs."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=timeout)
+        return not any(t.is_alive() for t in self.threads)
+
+
+class LongStream:
+    """A slow streaming request, begun at once in a thread of its own."""
+
+    def __init__(self, port: int, prompt: str, max_tokens: int) -> None:
+        self.outcome = Outcome(prompt, max_tokens, time.time())
+        self.began = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(port,), daemon=True)
+        self.thread.start()
+
+    def _run(self, port: int) -> None:
+        o = self.outcome
+        o.text, o.error = stream(port, o.prompt, o.max_tokens, LONG_SLEEP_MS, self.began)
+        o.ended_at = time.time()
+
+
+class Poller:
+    """Waits for a condition while watching the cluster: the serve process alive, the
+    autoscaler's view sampled (worker-resource demands, idle nodes), the most worker
+    nodes alive at once."""
+
+    def __init__(self, proc: subprocess.Popen, log: Any, obs: Observer) -> None:
+        self.proc, self.log, self.obs = proc, log, obs
+        self.most_workers = 0
+
+    def until(self, what: Any, timeout: float, why: str, every: float = 0.5, detail: Any = None) -> float:
+        """Wall time when ``what()`` first held; fails after ``timeout`` seconds (with
+        ``detail()`` when given)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"raydecode serve exited:\n{log_tail(self.log)}"
+            self.most_workers = max(self.most_workers, len(self.obs.alive_workers()))
+            if what():
+                return time.time()
+            if time.monotonic() > deadline:
+                more = f" ({detail()})" if detail is not None else ""
+                pytest.fail(f"not within {timeout:.0f} s: {why}{more}\n{log_tail(self.log)}")
+            time.sleep(every)
 
 
 @pytest.fixture
@@ -201,7 +437,8 @@ def fake_cluster():
 
 
 @pytest.mark.multinode
-def test_fake_cluster_scales_nodes_for_the_served_workers(fake_cluster, tiny_model_path):
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")  # serve.status(), each call
+def test_fake_cluster_scales_replicas_and_nodes_with_the_load(fake_cluster, tiny_model_path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -212,78 +449,217 @@ def test_fake_cluster_scales_nodes_for_the_served_workers(fake_cluster, tiny_mod
 
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
+    background = contextlib.ExitStack()
+    background.enter_context(obs.sampling())
     deployed_at = time.time()
     proc = serve_on(fake_cluster, tiny_model_path, port, log)
+    wait = Poller(proc, log, obs)
+    sent: list[Outcome] = []  # every request of the test, checked at the end
     try:
-        # -- scale up: the workers' demand for the resource brings a node each ----------
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"raydecode serve exited:\n{log_tail(log)}"
-            assert time.monotonic() < deadline, f"the endpoint did not come up:\n{log_tail(log)}"
-            obs.poll()
+        with driver(fake_cluster.address):  # while `raydecode serve` starts
+            # -- the first replica: its worker's demand brings a node ------------------
+            first_running: list[float] = []
+
+            def healthy() -> bool:
+                if not first_running:
+                    with contextlib.suppress(Exception):  # KeyError: the app is not deployed yet
+                        if engine_replicas().get("RUNNING"):
+                            first_running.append(time.time())
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            ready_at = wait.until(healthy, 300, "the endpoint came up")
+            (first_node,) = obs.alive_workers()
+            assert obs.demand_seen_at is not None, "the autoscaler never saw a demand for the worker resource"
+            assert used(obs.poll(), first_node, WORKER_RESOURCE) == 1, "the node came up but no worker took it"
+            first_node_at = obs.alive_workers()[first_node].start_time_ms / 1000
+            print(f"\nfirst replica: raydecode serve -> its worker's demand {obs.demand_seen_at - deployed_at:.1f} s, "
+                  f"-> node alive {first_node_at - deployed_at:.1f} s (demand -> node "
+                  f"{first_node_at - obs.demand_seen_at:.1f} s), -> replica RUNNING "
+                  f"{(first_running or [ready_at])[0] - deployed_at:.1f} s, -> endpoint ready {ready_at - deployed_at:.1f} s")
+            assert engine_replicas() == {"RUNNING": 1}
+            (first_replica,) = engine_replica_ids()
+
+            # -- the answers: HF transformers' greedy continuation, twice the same ---------
+            def complete(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+                outcome = Outcome(prompt, max_tokens, time.time())
+                sent.append(outcome)
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+                    "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                outcome.text, outcome.error, outcome.ended_at = r.json()["choices"][0]["text"], None, time.time()
+                return r.json()
+
+            # One at a time: one request in flight is the replica's target, so Serve adds
+            # no replica for them (the load below does).
+            checks = [(p, MAX_TOKENS) for p in PROMPTS] * 2 + [(p, LOAD_TOKENS) for p in PROMPTS] + \
+                LONG
+            answers = [complete(p, n) for p, n in checks]
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+            for answer in answers:
+                (choice,) = answer["choices"]
+                n = answer["usage"]["completion_tokens"]
+                assert choice["finish_reason"] == "length"
+                prompt_ids = choice["prompt_token_ids"]
+                assert_greedy_equal(model, prompt_ids, choice["token_ids"], generate(model, prompt_ids, n))
+            assert [a["usage"]["completion_tokens"] for a in answers] == [n for _, n in checks]
+            texts = [a["choices"][0]["text"] for a in answers]
+            assert texts[:len(PROMPTS)] == texts[len(PROMPTS):2 * len(PROMPTS)]
+            #: (prompt, max_tokens) -> the text of an undisturbed run, for every request below
+            expected = dict(zip(checks, texts))
+            samples = scrape(port)
+            assert set(per_engine(samples, "vllm:num_requests_running")) == {first_replica}
+            assert app_series(samples, "raydecode:replicas_live") == 1
+            assert app_series(samples, "raydecode:replica_scale_events_total", direction="up") == 1
+            assert engine_replicas() == {"RUNNING": 1}, "Serve scaled before the load"
+
+            # -- load: a second replica, and a node for its worker ------------------------
+            obs.demand_seen_at = None  # the second worker's demand, from here on
+            load = Load(port, LOAD_CLIENTS)
+            load_at = time.time()
+            load.start()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        ready_at = time.time()
-        workers = obs.alive_workers()
-        assert len(workers) == NUM_WORKERS, f"expected a node per worker, got {len(workers)}"
-        assert obs.demand_seen_at is not None, "the autoscaler never saw a demand for the worker resource"
-        status = obs.poll()
-        for nid in workers:
-            assert used(status, nid, WORKER_RESOURCE) == 1, f"node {nid} came up but no worker took it"
-        up_s = sorted(n.start_time_ms / 1000 - obs.demand_seen_at for n in workers.values())
-        print(f"\nscale-up: worker-resource demand -> node alive {', '.join(f'{s:.1f}' for s in up_s)} s "
-              f"(raydecode serve -> demand {obs.demand_seen_at - deployed_at:.1f} s, -> endpoint ready "
-              f"{ready_at - deployed_at:.1f} s)")
+                decided_at = wait.until(lambda: sum(engine_replicas().values()) == MAX_REPLICAS, 120,
+                                        "Serve added a replica under load")
+                running_at = wait.until(lambda: engine_replicas() == {"RUNNING": MAX_REPLICAS}, 300,
+                                        "the new replica ran (its node added, its model loaded)")
+                workers = obs.alive_workers()
+                assert len(workers) == MAX_REPLICAS, f"expected a node per replica's worker, got {len(workers)}"
+                (second_node,) = set(workers) - {first_node}
+                status = obs.poll()
+                assert all(used(status, nid, WORKER_RESOURCE) == 1 for nid in workers), "a node without its worker"
+                assert obs.demand_seen_at is not None, "the new replica's worker asked the autoscaler for no node"
+                second_node_at = workers[second_node].start_time_ms / 1000
+                (second_replica,) = engine_replica_ids() - {first_replica}
+                # The ingress routes to the new replica (the hub has its metrics: <= 2 s late).
+                def new_replica_served() -> bool:
+                    return per_engine(scrape(port), "vllm:generation_tokens_total").get(second_replica, 0) > 0
 
-        # -- the endpoint answers: HF transformers' greedy continuation, twice the same ----
-        def complete(prompt: str) -> dict:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-                "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            return r.json()
+                wait.until(new_replica_served, 60, "the new replica served", detail=lambda: scrape(port))
+                samples = scrape(port)
+                assert app_series(samples, "raydecode:replicas_live") == MAX_REPLICAS
+                assert app_series(samples, "raydecode:replica_scale_events_total", direction="up") == MAX_REPLICAS
+                assert app_series(samples, "raydecode:replica_scale_events_total", direction="down") == 0
+                print(f"scale-up: load began ({LOAD_CLIENTS} closed-loop streams, target 1 each) -> Serve adds a "
+                      f"replica {decided_at - load_at:.1f} s, -> its worker's demand {obs.demand_seen_at - load_at:.1f} s, "
+                      f"-> node alive {second_node_at - load_at:.1f} s (demand -> node "
+                      f"{second_node_at - obs.demand_seen_at:.1f} s), -> replica RUNNING {running_at - load_at:.1f} s "
+                      f"(cold start: node start and model load included)")
 
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            answers = list(pool.map(complete, PROMPTS * 2))
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-        for answer in answers:
-            (choice,) = answer["choices"]
-            assert answer["usage"]["completion_tokens"] == MAX_TOKENS and choice["finish_reason"] == "length"
-            prompt_ids = choice["prompt_token_ids"]
-            assert_greedy_equal(model, prompt_ids, choice["token_ids"], generate(model, prompt_ids, MAX_TOKENS))
-        first, again = answers[:len(PROMPTS)], answers[len(PROMPTS):]
-        assert [a["choices"][0]["text"] for a in first] == [a["choices"][0]["text"] for a in again]
-        assert obs.alive_workers().keys() == workers.keys(), "nodes changed while serving"
+                # -- a long stream, meant for the new replica, then the load stops -------
+                first_long = LongStream(port, *LONG[0])
+                sent.append(first_long.outcome)
+                assert first_long.began.wait(60), "the long stream did not begin"
+            finally:
+                stop_at = time.time()
+                finished = load.finish(timeout=180)
+            assert finished, "a load stream hung"
+            sent += load.outcomes
+            served = [o for o in load.outcomes if o.error is None]
+            assert served, [o.error for o in load.outcomes]
 
-        # -- Ctrl-C: the app goes, its nodes idle and are removed --------------------------
+            def tokens_per_s(start: float, end: float) -> float:
+                return sum(LOAD_TOKENS for o in served if start <= o.ended_at < end) / max(end - start, 1e-9)
+
+            print(f"load: {len(load.outcomes)} streams in {stop_at - load_at:.1f} s; throughput "
+                  f"{tokens_per_s(load_at, running_at):.1f} tokens/s on 1 replica, "
+                  f"{tokens_per_s(running_at, stop_at):.1f} tokens/s on 2 ({LOAD_SLEEP_MS} ms sleep per step "
+                  f"per stream, the long stream's {LONG_SLEEP_MS} ms too once it began)")
+
+            # -- which replica runs the long stream: the one that goes, for the drain ------
+            # Serve removes the newer replica (the older one is on the head node, which
+            # Serve never frees). The router sent the long stream to the replica it chose
+            # then: the prefix-aware router to the one sent the fewest requests lately
+            # (the new one), power of two choices to the less busy (either, under load).
+            # If it is the replica that stays, a second long stream, sent now, goes to the
+            # new one (idle beside the busy one) and outlasts the first: Serve scales down
+            # once the first ends (one request in flight, the target), mid-way through it.
+            def running_by_replica(count: int) -> dict[str, float] | None:
+                """Requests running per replica once ``count`` are running (the long
+                streams, alone now), else None."""
+                running = per_engine(scrape(port), "vllm:num_requests_running")
+                return {rid: n for rid, n in running.items() if n} if sum(running.values()) == count else None
+
+            placed: dict[str, float] = {}
+            wait.until(lambda: placed.update(running_by_replica(1) or {}) or placed, 30,
+                       "only the long stream left running",
+                       detail=lambda: per_engine(scrape(port), "vllm:num_requests_running"))
+            drained = first_long
+            if placed != {second_replica: 1}:
+                drained = LongStream(port, *LONG[1])
+                sent.append(drained.outcome)
+                assert drained.began.wait(60), "the second long stream did not begin"
+                placed.clear()
+                wait.until(lambda: placed.update(running_by_replica(2) or {}) or placed, 30,
+                           "only the two long streams left running",
+                           detail=lambda: per_engine(scrape(port), "vllm:num_requests_running"))
+                assert placed == {first_replica: 1, second_replica: 1}, (
+                    f"both long streams went to the replica that stays ({placed}): the drain is not exercised")
+                print("the long stream ran on the replica that stays; a second one, on the new replica, is drained")
+            stopping_at = wait.until(lambda: "STOPPING" in engine_replicas() or engine_replicas() == {"RUNNING": 1},
+                                     120, "Serve removed a replica after the load")
+            assert drained.thread.is_alive(), "the long stream ended before its replica began to leave"
+            down_at = wait.until(lambda: engine_replicas() == {"RUNNING": 1}, 120, "the leaving replica stopped")
+            assert engine_replica_ids() == {first_replica}, "Serve removed the first replica, not the new one"
+            for long in {first_long, drained}:
+                long.thread.join(timeout=120)
+                assert long.outcome.error is None, long.outcome
+            assert drained.outcome.ended_at > stopping_at
+            samples = scrape(port)
+            assert app_series(samples, "raydecode:replicas_live") == 1
+            assert app_series(samples, "raydecode:replica_scale_events_total", direction="down") == 1
+            print(f"scale-down: load stopped -> replica STOPPING {stopping_at - stop_at:.1f} s (downscale_delay_s "
+                  f"{SCALING['downscale_delay_s']}), -> its long stream done {drained.outcome.ended_at - stop_at:.1f} s "
+                  f"(drained {drained.outcome.ended_at - stopping_at:.1f} s), -> replica gone {down_at - stop_at:.1f} s")
+
+        # -- Ctrl-C: the app goes, its last node idles and is removed. The scaled-down
+        # replica's node, idle since that replica went, goes meanwhile (not waited for
+        # before Ctrl-C: it is removed first, and its times are its own) ----------------
         proc.send_signal(signal.SIGINT)
         stopped_at = time.time()
-        proc.wait(timeout=90)
+        deadline = time.monotonic() + 90
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"raydecode serve did not stop:\n{log_tail(log)}"
+            obs.poll()  # the scaled-down replica's node: when it went idle
+            time.sleep(0.25)
         assert proc.returncode == 0, log_tail(log)
         # The idle timeout, Ray's 1 s autoscaler cycles and slack for a loaded machine;
         # an actor left behind on a worker node (a detached one) holds the node and fails it.
         deadline = time.monotonic() + 45
         while obs.alive_workers():
-            status = obs.poll(record_idle=True)
+            status = obs.poll()
             if time.monotonic() > deadline:
                 held = {nid: ([n.node_activity for n in status.active_nodes if n.node_id == nid],
                               node_processes(fake_cluster.temp_dir, nid)) for nid in obs.alive_workers()}
                 pytest.fail(f"worker nodes not removed 45 s after the app went (activity, processes): {held}")
             time.sleep(0.25)
-        gone = {nid: n for nid, n in obs.nodes().items() if nid in workers}
-        down_s = sorted(n.end_time_ms / 1000 - stopped_at for n in gone.values())
-        after_idle = sorted(gone[nid].end_time_ms / 1000 - t for nid, t in obs.idle_since.items() if nid in gone)
-        print(f"scale-down: Ctrl-C -> node removed {', '.join(f'{s:.1f}' for s in down_s)} s "
-              f"(idle -> removed {', '.join(f'{s:.1f}' for s in after_idle) or 'not sampled'} s)")
+        gone_at = {nid: obs.nodes()[nid].end_time_ms / 1000 for nid in (first_node, second_node)}
+        idle = {nid: f"{gone_at[nid] - t:.1f}" for nid, t in obs.idle_since.items() if nid in gone_at}
+        print(f"nodes removed: the scaled-down replica's {gone_at[second_node] - down_at:.1f} s after that replica "
+              f"went ({gone_at[second_node] - stop_at:.1f} s after the load stopped; idle -> removed "
+              f"{idle.get(second_node, 'not sampled')} s), the last one {gone_at[first_node] - stopped_at:.1f} s "
+              f"after Ctrl-C (idle -> removed {idle.get(first_node, 'not sampled')} s)")
+        assert gone_at[second_node] < gone_at[first_node], "the scaled-down replica's node outlived the app's last one"
         config = yaml.safe_load((ROOT / "deploy" / "cluster-fake.yaml").read_text())
-        assert all(s >= config["idle_timeout_minutes"] * 60 for s in down_s), "a node went before its idle timeout"
-        assert all(node_processes(fake_cluster.temp_dir, nid) == [] for nid in gone), "a removed node's raylet runs"
-        assert len(obs.nodes()) == 1 + NUM_WORKERS and obs.alive_workers() == {}
+        # Not before the idle timeout, counted from when each node's replica began to go.
+        for nid, since in ((second_node, stopping_at), (first_node, stopped_at)):
+            assert gone_at[nid] - since >= config["idle_timeout_minutes"] * 60, "a node went before its idle timeout"
+        assert all(node_processes(fake_cluster.temp_dir, nid) == [] for nid in (first_node, second_node)), \
+            "a removed node's raylet runs"
+        assert len(obs.nodes()) == 1 + MAX_REPLICAS and obs.alive_workers() == {}
+        assert wait.most_workers == MAX_REPLICAS
+
+        # -- nothing lost: every request answered, with the text of an undisturbed run ------
+        wrong = [o for o in sent if o.error is not None or o.text != expected[o.prompt, o.max_tokens]]
+        longs = len(sent) - len(load.outcomes) - len(answers)
+        print(f"requests: {len(sent)} sent ({len(load.outcomes)} load streams, {longs} long stream(s), one drained, "
+              f"{len(answers)} checks), {len(sent) - len(wrong)} answered right, {len(wrong)} lost or wrong")
+        assert wrong == [], wrong[:5]
     finally:
+        background.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
