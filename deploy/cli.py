@@ -186,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
+    srv.add_argument("--request-timeline", type=Path, default=None, metavar="PATH",
+                     help="append one JSON line per request and stage (ingress, engine) to PATH: where its time to "
+                          "first token went (send an X-Request-Id to join the stages); off by default")
     t = srv.add_argument_group("tools and structured outputs (vLLM's flags)")
     t.add_argument("--tool-call-parser", choices=_tool_parser_names(), default=None,
                    help="the model's tool call format, parsed for tool_choice \"auto\": hermes (Hermes 2 Pro / 3, "
@@ -434,6 +437,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "model": engine.pop("model", None), "num_workers": engine.pop("num_workers", 1),
         "served_model_name": args.served_model_name, "api_key": args.api_key, "engine": engine,
         "chat_template": args.chat_template.read_text() if args.chat_template else None, **api,
+        "request_timeline": str(args.request_timeline.resolve()) if args.request_timeline else None,
     })
     session = RaySession.connect(address)
     # SIGTERM (a service manager, a container stop) ends the server like Ctrl-C does.

@@ -43,6 +43,7 @@ from deploy.openai.serving_chat import ChatChunks, chat_response
 from deploy.openai.serving_completion import CompletionChoices, completion_chunks, completion_response
 from deploy.openai.structured import Constraint
 from deploy.openai.tools import ApiOptions
+from deploy.timeline import TimelineLog
 from sampler.params import StructuredOutputsParams, check_text
 
 
@@ -176,6 +177,7 @@ class EngineServer:
             exclude_tools_when_tool_choice_none=self.args.exclude_tools_when_tool_choice_none,
             max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
         )
+        self.timeline = TimelineLog(self.args.request_timeline)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop stopped or is
@@ -289,20 +291,39 @@ class EngineServer:
             pass
         return out
 
+    def _trace(self, key: str, started: float, requests: list[Any], first_event: float | None) -> None:
+        """This replica's line of the request timeline (``deploy/timeline.py``)."""
+        if not self.timeline.enabled or not requests:
+            return
+        request = requests[0]
+        m = request.metrics
+        self.timeline.write({
+            "stage": "engine", "id": key, "in": started, "queued": m.arrival_time,
+            "scheduled": m.first_scheduled_time, "first_token": m.first_token_time, "first_event": first_event,
+            "prompt_tokens": len(request.prompt_token_ids), "cached_tokens": request.sequences[0].num_cached_tokens,
+        })
+
     async def _events(self, rid: str, kind: str, body: SamplingFields, streams: list,
-                      chunks_of: Callable[[int, RequestOutput], list[Any]], total_usage: Callable[[], Any]) -> AsyncIterator[str]:
+                      chunks_of: Callable[[int, RequestOutput], list[Any]], total_usage: Callable[[], Any],
+                      trace: Callable[[float | None], None]) -> AsyncIterator[str]:
         """Server-sent events: the chunks of each output, the usage chunk when asked
-        for, an error object if the request failed midway, then ``[DONE]``."""
+        for, an error object if the request failed midway, then ``[DONE]``. ``trace``
+        gets the time the first event left, when the stream ends."""
         include_usage, _ = body.usage_options()
+        first: float | None = None
         try:
             async for index, out in _merge(streams):
                 for chunk in chunks_of(index, out):
+                    if first is None:
+                        first = time.time()
                     yield _sse(chunk)
             if include_usage:
                 yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
                                        "choices": [], "usage": total_usage().model_dump()}))
         except APIError as exc:
             yield _sse(json.dumps(exc.body()))
+        finally:
+            trace(first)
         yield "data: [DONE]\n\n"
 
     # -- what the ingress calls -----------------------------------------------------------
@@ -401,6 +422,7 @@ class EngineServer:
                 yield text
 
     async def _completions(self, body: CompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
+        started = time.time()
         try:  # schemas are checked here: off the event loop
             params = await self.llm.run_off_loop(body.sampling_params, self.api_options)
             prompts = body.prompts()
@@ -410,6 +432,7 @@ class EngineServer:
             raise bad_request(exc) from None
         rid = new_id("cmpl", body.request_id or request_id)
         requests = await self._requests(prompts, params, body.priority, body.constraint)
+        key = body.request_id or request_id or rid
         prompt_texts = None
         if body.echo:
             tokenizer = self.tokenizer
@@ -419,6 +442,7 @@ class EngineServer:
         streams = [self._outputs(r) for r in requests]
         if not body.streaming:
             outs = await _run_all([self._final(s) for s in streams])
+            self._trace(key, started, requests, None)
             response = await self.llm.run_off_loop(completion_response, rid, self.model_name, list(outs), builder)
             return Reply(body=response.model_dump(exclude_unset=True)), None
         created = int(time.time())
@@ -427,9 +451,11 @@ class EngineServer:
         def chunks(index: int, out: RequestOutput) -> list[Any]:
             return completion_chunks(rid, self.model_name, created, index, out, builder, continuous)
 
-        return Reply(stream=True), self._events(rid, "text_completion", body, streams, chunks, builder.total_usage)
+        return Reply(stream=True), self._events(rid, "text_completion", body, streams, chunks, builder.total_usage,
+                                                lambda first: self._trace(key, started, requests, first))
 
     async def _chat(self, body: ChatCompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
+        started = time.time()
         try:
             def prepare() -> tuple[Any, list[dict[str, Any]]]:  # schemas are checked here: off the event loop
                 params = body.sampling_params(self.api_options)
@@ -445,12 +471,15 @@ class EngineServer:
             raise bad_request(exc) from None
         rid = new_id("chatcmpl", body.request_id or request_id)
         (request,) = await self._requests([prompt], params, body.priority, body.constraint)
+        key = body.request_id or request_id or rid
         stream = self._outputs(request)
         text = self._token_text(body)
         if not body.streaming:
             (out,) = await _run_all([self._final(stream)])
+            self._trace(key, started, [request], None)
             response = await self.llm.run_off_loop(chat_response, rid, self.model_name, out, body, text)
             return Reply(body=response.model_dump(exclude_unset=True)), None
         builder = ChatChunks(rid, self.model_name, body, text)
         return Reply(stream=True), self._events(rid, "chat.completion.chunk", body, [stream],
-                                                lambda _, out: builder.chunks(out), builder.total_usage)
+                                                lambda _, out: builder.chunks(out), builder.total_usage,
+                                                lambda first: self._trace(key, started, [request], first))

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import Any
@@ -38,6 +39,7 @@ from deploy.engine_server import Reply, _sse
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, error_body
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from deploy.timeline import TimelineLog
 
 logger = logging.getLogger("ray.serve")
 
@@ -111,7 +113,8 @@ def _json(reply: Reply) -> JSONResponse:
 class OpenAIIngress:
     """``engines``: the served model name of each engine deployment, to its handle."""
 
-    def __init__(self, engines: dict[str, Any], api_key: str | None = None, retry_after_s: float = 1.0) -> None:
+    def __init__(self, engines: dict[str, Any], api_key: str | None = None, retry_after_s: float = 1.0,
+                 request_timeline: str | None = None) -> None:
         if not engines:
             raise ValueError("the ingress needs at least one engine deployment")
         self.engines = engines
@@ -121,6 +124,7 @@ class OpenAIIngress:
         #: /metrics: every engine replica's families, from the app's hub (the engine
         #: replicas push theirs; this ingress has none of its own)
         self.replica_metrics = ReplicaMetrics(None, "")
+        self.timeline = TimelineLog(request_timeline)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -157,6 +161,8 @@ class OpenAIIngress:
     async def _generate(self, handle: Any, method: str, body: Any, request_id: str | None) -> Response:
         """A generation call: the engine's first item says what the response is; a
         stream relays the rest as it comes."""
+        started = time.time()
+        key = body.request_id or request_id if self.timeline.enabled else None
         stream = None
         try:
             stream = getattr(handle.options(stream=True), method).remote(body, request_id)
@@ -167,22 +173,31 @@ class OpenAIIngress:
         except BaseException:
             _cancel(stream)
             raise
+        trace = None if key is None else {"stage": "ingress", "id": key, "in": started, "head": time.time(),
+                                          "first_text": None}
         if not head.stream:
             _cancel(stream)
+            if trace is not None:
+                self.timeline.write(trace)
             return _json(head)
-        return StreamingResponse(self._relay(stream), media_type="text/event-stream")
+        return StreamingResponse(self._relay(stream, trace), media_type="text/event-stream")
 
-    async def _relay(self, stream: Any) -> AsyncIterator[str]:
+    async def _relay(self, stream: Any, trace: dict[str, Any] | None = None) -> AsyncIterator[str]:
         """The event text from the engine; if its replica dies mid-stream, an error
-        event and ``[DONE]`` end the stream instead of a cut connection."""
+        event and ``[DONE]`` end the stream instead of a cut connection. ``trace``:
+        this request's timeline line, written when the stream ends."""
         try:
             async for text in stream:
+                if trace is not None and trace["first_text"] is None:
+                    trace["first_text"] = time.time()
                 yield text
         except ENGINE_GONE as exc:
             yield _sse(json.dumps(self._unavailable(exc).body()))
             yield "data: [DONE]\n\n"
         finally:
             _cancel(stream)  # the client left (or the stream ended): the engine stops
+            if trace is not None:
+                self.timeline.write(trace)
 
     async def _card(self, name: str) -> dict[str, Any]:
         card = self._cards.get(name)

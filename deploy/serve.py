@@ -82,6 +82,9 @@ class ServerArgs(BaseModel):
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": leave the tools out of the prompt
     max_tools: int = DEFAULT_MAX_TOOLS  # tools in one request, at most
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    #: a file each replica (ingress and engine) appends one JSON line per request to:
+    #: where its time to first token went (deploy/timeline.py); None: off
+    request_timeline: str | None = None
 
     def model_id(self) -> str:
         """The name clients send as ``model``: ``served_model_name``, else the model
@@ -148,17 +151,19 @@ def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
 
 
 def ingress_deployment(engines: dict[str, serve.Application], api_key: str | None = None,
-                       retry_after_s: float = 1.0, options: dict[str, Any] | None = None) -> serve.Application:
+                       retry_after_s: float = 1.0, options: dict[str, Any] | None = None,
+                       request_timeline: str | None = None) -> serve.Application:
     """The OpenAI ingress in front of ``engines`` (served model name -> bound engine
     deployment), bound; a full engine queue answers 503 with ``Retry-After``.
-    ``options``: further Serve options of the ingress deployment (num_replicas, ...)."""
+    ``options``: further Serve options of the ingress deployment (num_replicas, ...).
+    ``request_timeline``: the file of its request timeline lines (deploy/timeline.py)."""
     # The ingress relays the engines' streams: when it is replaced (a redeploy) it
     # drains them for as long as an engine replica would (ServerArgs' default).
     options = {"graceful_shutdown_timeout_s": ServerArgs.model_fields["graceful_shutdown_timeout_s"].default,
                **(options or {})}
     return OpenAIIngress.options(
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=retry_after_s), **options,
-    ).bind(engines, api_key, retry_after_s)
+    ).bind(engines, api_key, retry_after_s, request_timeline)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -167,4 +172,5 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     engine deployment."""
     parsed = ServerArgs.model_validate(args or {})
     return ingress_deployment({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s,
-                              {"graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s})
+                              {"graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s},
+                              parsed.request_timeline)

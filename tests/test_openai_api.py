@@ -31,7 +31,13 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(ray_local, tiny_model_path):
+def timeline(tmp_path_factory) -> str:
+    """The server's request timeline file (``--request-timeline``)."""
+    return str(tmp_path_factory.mktemp("timeline") / "timeline.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_model_path, timeline):
     """One server for the module; its workers load a test logits processor
     (``procs_for_tests``, on their PYTHONPATH) that bans the previous token for requests
     whose ``vllm_xargs`` say ``ban_last``."""
@@ -43,6 +49,7 @@ def server(ray_local, tiny_model_path):
         "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1,
                    "logits_processors": ["procs_for_tests:BanLastTokenAdapter", "procs_for_tests:SlowStepAdapter"]},
         "max_ongoing_requests": 32, "max_queued_requests": 64, "runtime_env": {"env_vars": {"PYTHONPATH": path}},
+        "request_timeline": timeline,
     })
     serve.run(app, name="api", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -597,3 +604,62 @@ def test_metrics_show_a_running_request(server):
     assert seen[("vllm:num_requests_running", ())] == 1
     assert 0 < seen[("vllm:kv_cache_usage_perc", ())] <= 1
     settle(server)
+
+
+def _timeline_lines(path: str, key: str, stages: set[str], timeout_s: float = 10.0) -> dict[str, dict]:
+    """The timeline lines of request ``key``, once every stage in ``stages`` wrote its
+    own (a stage writes when its stream ends, just after the client saw the end)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    rec = json.loads(line)
+                    if rec["id"] == key:
+                        found[rec["stage"]] = rec
+        if set(found) >= stages or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_request_timeline_records_each_stage_in_order(server, timeline):
+    """``request_timeline``: a streamed completion sent with an ``X-Request-Id`` leaves
+    one ingress line and one engine line under that id, their stamps in the order the
+    request went through them, between the client's own send and first byte."""
+    rid = "timeline-" + os.urandom(4).hex()
+    sent = time.time()
+    first = None
+    with httpx.stream("POST", f"{server}/v1/completions", headers={**HEADERS, "X-Request-Id": rid}, timeout=120,
+                      json={"model": "tiny", "prompt": "one two three four", "max_tokens": 8, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        usage = None
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                if first is None and chunk.get("choices"):
+                    first = time.time()
+                usage = chunk.get("usage") or usage
+    lines = _timeline_lines(timeline, rid, {"ingress", "engine"})
+    ing, eng = lines["ingress"], lines["engine"]
+    stamps = [sent, ing["in"], eng["in"], eng["queued"], eng["scheduled"], eng["first_token"], eng["first_event"],
+              ing["first_text"], first]
+    assert stamps == sorted(stamps), stamps
+    assert ing["in"] <= ing["head"] <= ing["first_text"]
+    assert eng["prompt_tokens"] == usage["prompt_tokens"]
+    assert 0 <= eng["cached_tokens"] <= eng["prompt_tokens"]
+
+    # Without a client id the engine still writes its line: under the id the request
+    # reached it with (Serve's proxy may give one), which the response id carries; a
+    # non-streamed chat has no first-event time.
+    body = completion(server, prompt="five six", max_tokens=2)
+    key = body["id"].removeprefix("cmpl-")
+    assert "engine" in _timeline_lines(timeline, key, {"engine"}) or \
+        "engine" in _timeline_lines(timeline, body["id"], {"engine"})
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "request_id": rid + "-chat",
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200, chat.text
+    lines = _timeline_lines(timeline, rid + "-chat", {"ingress", "engine"})
+    assert lines["engine"]["first_event"] is None and lines["engine"]["first_token"] is not None
+    assert lines["ingress"]["first_text"] is None

@@ -15,7 +15,10 @@ Per request:
         tokens counts as k gaps of (gap / k) (a server that coalesces tokens is neither
         punished nor flattered in the percentiles);
   tokens the completion's token count from the last ``usage`` the server sent (else the
-        ``token_ids`` it returned, else one per chunk).
+        ``token_ids`` it returned, else one per chunk);
+  id    the ``X-Request-Id`` it was sent with, and ``sent_at`` / ``first_at`` (wall
+        clock, ``time.time()``) of the send and of the first token's chunk, to join
+        with a server's own per-request timeline (``raydecode serve --request-timeline``).
 Run: output tokens of all requests / wall seconds from the first send to the last
 answer.
 
@@ -33,6 +36,7 @@ import math
 import statistics
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +59,9 @@ class RequestRecord:
     latency: float = math.nan
     tokens: int = 0
     error: str | None = None
+    request_id: str = ""
+    sent_at: float = math.nan
+    first_at: float = math.nan
 
 
 @dataclass
@@ -116,13 +123,15 @@ def completion_body(model: str, req: LoadRequest, extra: dict[str, Any] | None =
 async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, req: LoadRequest,
                             extra: dict[str, Any] | None = None) -> RequestRecord:
     """Sends one streamed completion and times its chunks (see the module docstring)."""
-    rec = RequestRecord()
+    rec = RequestRecord(request_id=uuid.uuid4().hex)
     body = completion_body(model, req, extra)
+    rec.sent_at = time.time()
     start = time.perf_counter()
     last_t: float | None = None
     count = 0  # tokens seen so far
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body,
+                                 headers={"X-Request-Id": rec.request_id}) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text[:200]}"
@@ -150,6 +159,7 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
                     continue
                 if last_t is None:
                     rec.ttft = now - start
+                    rec.first_at = rec.sent_at + rec.ttft
                 else:
                     rec.itl.extend([(now - last_t) / new] * new)
                 # the first chunk's extra tokens (k > 1) have no gap before them

@@ -90,6 +90,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,6 +114,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from _load_generator import LoadRequest, LoadResult, percentile, run_load, served_model, wait_ready  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
+from _timeline import engine_view, print_breakdown, read_lines, scrape, segments  # noqa: E402
 from helpers import free_port  # noqa: E402
 from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, run_ours  # noqa: E402
 from worker.runner.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
@@ -127,6 +129,8 @@ PEER_SCRIPT = HERE / "_vllm_peer.py"
 MARKER = "@@VS_VLLM@@ "
 TARGET_OFFLINE, TARGET_SERVED = 1.2, 1.0
 PHASES = ("offline", "served", "prefix")
+#: ours' request timeline file (``--request-timeline``), set by main for the served runs
+TIMELINE: Path | None = None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -258,13 +262,24 @@ class Figures:
     itl: list[float] = field(default_factory=list)
     wall: float = math.nan
     error: str | None = None
+    #: per request: (latency - TTFT) / (tokens - 1), vLLM bench's TPOT
+    tpot: list[float] = field(default_factory=list)
+    #: requests per second that met the SLO (``--slo-ttft``, ``--slo-tpot``)
+    goodput: float = math.nan
+
+
+#: the goodput SLO (seconds): TTFT and TPOT at most these (``--slo-ttft/--slo-tpot``)
+SLO = {"ttft": 2.0, "tpot": 0.1}
 
 
 def from_load(res: LoadResult) -> Figures:
     err = None
     if res.errors:
         err = f"{len(res.errors)}/{len(res.records)} requests failed: {res.errors[0]}"
-    return Figures(res.tps, res.ttfts, res.itls, res.wall, err)
+    tpot = [(r.latency - r.ttft) / (r.tokens - 1) for r in res.ok if r.tokens > 1]
+    good = sum(r.ttft <= SLO["ttft"] and r.tokens > 1 and (r.latency - r.ttft) / (r.tokens - 1) <= SLO["tpot"]
+               for r in res.ok)
+    return Figures(res.tps, res.ttfts, res.itls, res.wall, err, tpot, good / res.wall if res.wall > 0 else math.nan)
 
 
 # -- workloads ------------------------------------------------------------------------
@@ -427,7 +442,7 @@ def ours_server_cmd(model_dir: str, port: int) -> list[str]:
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
             "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--kv-cache-prefault", "--dtype", DTYPE,
-            *extra_flags()]
+            *(["--request-timeline", str(TIMELINE)] if TIMELINE else []), *extra_flags()]
 
 
 def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
@@ -442,9 +457,11 @@ def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
 
 def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm: list[LoadRequest],
                levels: dict[int, list[LoadRequest]], prefix: tuple[list[LoadRequest], int] | None,
-               ready_timeout_s: float) -> Served:
+               ready_timeout_s: float, timeline: Path | None = None) -> Served:
     """Starts one server, waits until it is ready, runs the levels (and the prefix
-    workload), and always stops it."""
+    workload), and always stops it. Each level prints where its first tokens' time
+    went: from ``/metrics`` (either server) and, with ``timeline`` (ours' request
+    timeline file), per segment of the path."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     out = Served()
@@ -467,9 +484,20 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                 raise RuntimeError(f"warm-up failed: {w.errors[0]}")
             for c, reqs in levels.items():
                 print(f"  {label}: concurrency {c}, {len(reqs)} requests ...", flush=True)
-                out.levels[c] = from_load(run_load(base, model, reqs, concurrency=c))
+                time.sleep(1.5)  # ours: what came before (the warm-up) has reached /metrics
+                before = scrape(base)
+                res = run_load(base, model, reqs, concurrency=c)
+                time.sleep(1.5)  # ours: the replicas push their metrics every second
+                after = scrape(base)
+                out.levels[c] = from_load(res)
                 if out.levels[c].error:
                     print(f"    {out.levels[c].error}", flush=True)
+                f = out.levels[c]
+                print(f"    {f.tps:.1f} tok/s, TTFT p50 {percentile(f.ttft, 50):.2f} s p99 {percentile(f.ttft, 99):.2f} s, "
+                      f"ITL p50 {percentile(f.itl, 50) * 1e3:.1f} ms p99 {percentile(f.itl, 99) * 1e3:.0f} ms, "
+                      f"TPOT p50 {percentile(f.tpot, 50) * 1e3:.1f} ms, goodput {f.goodput:.2f} req/s", flush=True)
+                segs = segments(res.records, read_lines(timeline)) if timeline is not None else None
+                print_breakdown(label, c, segs, engine_view(before, after))
             if prefix is not None:
                 reqs, conc = prefix
                 print(f"  {label}: shared prefix, {len(reqs)} requests at concurrency {conc} ...", flush=True)
@@ -512,10 +540,11 @@ class Table:
                   peer / ours if ours > 0 and peer > 0 else math.nan, target, scale)
 
     def _add(self, section: str, figure: str, ours: float, peer: float, ratio: float, target: float | None,
-             scale: float, peer_note: str | None = None, ours_note: str | None = None) -> None:
+             scale: float, peer_note: str | None = None, ours_note: str | None = None,
+             spread: str | None = None) -> None:
         peer_txt = "failed" if peer_note else fmt(peer, scale)
         ours_txt = "failed" if ours_note else fmt(ours, scale)
-        ratio_txt = "-" if math.isnan(ratio) else f"{ratio:.2f}x"
+        ratio_txt = "-" if math.isnan(ratio) else f"{ratio:.2f}x" + (f" ({spread})" if spread else "")
         met = None if target is None or math.isnan(ratio) else ratio >= target
         target_txt = "" if target is None else f">= {target:.1f}x"
         self.rows.append((section, figure, ours_txt, peer_txt, ratio_txt, target_txt, met))
@@ -547,20 +576,41 @@ def offline_rows(t: Table, name: str, ours: Figures, peer: Figures | None, peer_
     t.latency(sec, "ITL p50 ms", percentile(ours.itl, 50), percentile(pv.itl, 50) if pv else math.nan, scale=1000)
 
 
-def served_rows(t: Table, levels: list[int], ours: Served, peer: Served | None) -> None:
+def served_rows(t: Table, levels: list[int], ours_runs: list[Served], peer_runs: list[Served]) -> None:
+    """Per level and figure: each system's median over its runs, and the median of the
+    run-by-run ratios (run i of ours against run i of vLLM) with their spread."""
+    def level(run: Served, c: int) -> Figures | None:
+        f = run.levels.get(c)
+        return f if f is not None and not f.error else None
+
+    figures = (  # name, value, higher is better, scale, target
+        ("output tok/s", lambda f: f.tps, True, 1.0, TARGET_SERVED),
+        ("TTFT p50 s", lambda f: percentile(f.ttft, 50), False, 1.0, None),
+        ("TTFT p99 s", lambda f: percentile(f.ttft, 99), False, 1.0, 1.0),
+        ("TPOT p50 ms", lambda f: percentile(f.tpot, 50), False, 1000.0, None),
+        ("ITL p50 ms", lambda f: percentile(f.itl, 50), False, 1000.0, None),
+        ("ITL p99 ms", lambda f: percentile(f.itl, 99), False, 1000.0, None),
+        (f"goodput req/s (TTFT <= {SLO['ttft']:g} s, TPOT <= {SLO['tpot'] * 1e3:g} ms)", lambda f: f.goodput, True,
+         1.0, None),
+    )
     for c in levels:
-        o = ours.levels.get(c) or Figures(error=ours.error or "not run")
-        p = (peer.levels.get(c) or Figures(error=peer.error or "not run")) if peer else None
         sec = f"served c={c}"
-        t.throughput(sec, "output tok/s", o, p, TARGET_SERVED if c >= 8 else None)
-        pv = p if p is not None and not p.error else None
-        ov = o if not o.error else None
-        for label, q, target in (("TTFT p50 s", 50, None), ("TTFT p99 s", 99, 1.0)):
-            t.latency(sec, label, percentile(ov.ttft, q) if ov else math.nan,
-                      percentile(pv.ttft, q) if pv else math.nan, target)
-        for label, q in (("ITL p50 ms", 50), ("ITL p99 ms", 99)):
-            t.latency(sec, label, percentile(ov.itl, q) if ov else math.nan,
-                      percentile(pv.itl, q) if pv else math.nan, scale=1000)
+        ours = [level(r, c) for r in ours_runs]
+        peer = [level(r, c) for r in peer_runs]
+        for name, value, higher, scale, target in figures:
+            o = [value(f) for f in ours if f is not None]
+            p = [value(f) for f in peer if f is not None]
+            pairs = [(value(a), value(b)) for a, b in zip(ours, peer) if a is not None and b is not None]
+            ratios = [(a / b if higher else b / a) for a, b in pairs if a > 0 and b > 0]
+            o_med = statistics.median(o) if o else math.nan
+            p_med = statistics.median(p) if p else math.nan
+            tgt = target if (target is not None and (c >= 8 or not higher)) else None
+            ratio = statistics.median(ratios) if ratios else math.nan
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else None
+            label = f"{name} (ours/vLLM)" if higher else f"{name} (vLLM/ours, >1 = ours faster)"
+            t._add(sec, label, o_med, p_med, ratio, tgt, scale,
+                   ours_note=None if o else "failed", peer_note=None if p or not peer_runs else "failed",
+                   spread=spread)
 
 
 # -- main -----------------------------------------------------------------------------
@@ -582,6 +632,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefix-requests", type=int, default=None, help="shared-prefix requests (default 64; 16 quick)")
     ap.add_argument("--prefix-concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="served: run the two servers this many times, alternating (ours, vLLM, ours, ...); the "
+                         "table gives each figure's median over the runs and the ratio's median and spread")
+    ap.add_argument("--requests-per-level", type=int, default=None,
+                    help="served requests per level (default max(8, min(256, 8 x concurrency)); --quick max(4, c))")
+    ap.add_argument("--slo-ttft", type=float, default=SLO["ttft"], help="goodput SLO: TTFT at most this (s)")
+    ap.add_argument("--slo-tpot", type=float, default=SLO["tpot"], help="goodput SLO: TPOT at most this (s)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="model dtype of both systems (default float32, what the targets are set on)")
     ap.add_argument("--peer-seeded", action="store_true",
@@ -601,7 +658,8 @@ def parse_args() -> argparse.Namespace:
                 phases.append(p)
     args.phases = phases
     try:
-        args.levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",") if c.strip()]
+        args.levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32,64")).split(",")
+                       if c.strip()]
     except ValueError:
         ap.error(f"--concurrency: a comma-separated list of integers, got {args.concurrency!r}")
     if not args.levels or min(args.levels) < 1:
@@ -614,6 +672,7 @@ def main() -> None:
     args = parse_args()
     OURS_EXTRA.update(args.ours_engine)
     DTYPE = args.dtype
+    SLO.update(ttft=args.slo_ttft, tpot=args.slo_tpot)
     trap_sigterm()
     load_at_start = os.getloadavg()[0]
     q = args.quick
@@ -682,7 +741,9 @@ def main() -> None:
     if "served" in args.phases or "prefix" in args.phases:
         levels = {}
         if "served" in args.phases:
-            per = (lambda c: max(4, c)) if q else (lambda c: max(8, 2 * c))
+            per = (lambda c: max(4, c)) if q else (lambda c: max(8, min(256, 8 * c)))
+            if args.requests_per_level:
+                per = lambda c: args.requests_per_level  # noqa: E731
             levels = {c: token_prompts(stream, per(c), *served_prompt, served_max, args.seed + 100 + c)
                       for c in args.levels}
         prefix = None
@@ -692,12 +753,21 @@ def main() -> None:
             prefix = (reqs, args.prefix_concurrency)
         served_warm = [LoadRequest(r.prompt, 8) for r in warm]
         ours_env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        ours_s = served_run("raydecode serve", lambda port: ours_server_cmd(model_dir, port), ours_env,
-                            logs / "ours-serve.log", served_warm, levels, prefix, args.ready_timeout)
-        peer_s = None
-        if peer_py is not None:
-            peer_s = served_run("vllm serve", lambda port: peer_server_cmd(peer_py, model_dir, port), env,
-                                logs / "vllm-serve.log", served_warm, levels, prefix, args.ready_timeout)
+        global TIMELINE
+        TIMELINE = logs / "ours-timeline.jsonl"
+        ours_runs: list[Served] = []
+        peer_runs: list[Served] = []
+        for i in range(args.pairs):
+            tag = f" (run {i + 1}/{args.pairs})" if args.pairs > 1 else ""
+            ours_runs.append(served_run(f"raydecode serve{tag}", lambda port: ours_server_cmd(model_dir, port),
+                                        ours_env, logs / f"ours-serve-{i}.log", served_warm, levels, prefix,
+                                        args.ready_timeout, TIMELINE))
+            if peer_py is not None:
+                peer_runs.append(served_run(f"vllm serve{tag}", lambda port: peer_server_cmd(peer_py, model_dir, port),
+                                            env, logs / f"vllm-serve-{i}.log", served_warm, levels, prefix,
+                                            args.ready_timeout))
+        ours_s = ours_runs[0]
+        peer_s = peer_runs[0] if peer_runs else None
         if peer_s is not None and peer_s.version:
             peer_version = peer_version or peer_s.version
         for who, srv in (("ours'", ours_s), ("vLLM's", peer_s)):
@@ -711,8 +781,12 @@ def main() -> None:
             if srv.prefix is not None and srv.prefix.error:
                 notes.append(f"prefix, {who} server: {srv.prefix.error}")
         if levels:
-            served_rows(table, list(levels), ours_s, peer_s)
-            per_txt = "max(4, concurrency)" if q else "max(8, 2 x concurrency)"
+            served_rows(table, list(levels), ours_runs, peer_runs)
+            per_txt = (str(args.requests_per_level) if args.requests_per_level else
+                       "max(4, concurrency)" if q else "max(8, min(256, 8 x concurrency))")
+            if args.pairs > 1:
+                notes.append(f"served: {args.pairs} runs of each server, alternating (ours first); figures are the "
+                             "medians over the runs, ratios the median of run-by-run ratios (min-max in brackets)")
             notes.append(f"served: closed loop, {per_txt} requests per level (fresh prompts per level), token-id "
                          f"prompts {served_prompt[0]}-{served_prompt[1]} tokens, max_tokens {served_max}, ignore_eos, "
                          "temperature 0, streamed /v1/completions")
