@@ -216,9 +216,12 @@ def test_panels_hand_prefill_sized_calls_to_their_library_copy(use_mkl):
             return self.head
 
     model = Tiny()
-    pack_linear_layers(model, OPS, gemm_from_rows=4)
+    pack_linear_layers(model, OPS, gemm_from_rows=4, gemm_library="mkl")
     assert model.proj.gemm is not None and model.head.gemm is None
     assert isinstance(model.proj.gemm, MklPackedWeight) == mkl_packed_linear_available()
+    onednn = Tiny()
+    pack_linear_layers(onednn, OPS, gemm_from_rows=4, gemm_library="onednn")
+    assert isinstance(onednn.proj.gemm, PackedLinear)
     pack_free = Tiny()
     pack_linear_layers(pack_free, OPS)
     assert pack_free.proj.gemm is None
@@ -254,3 +257,41 @@ def test_the_worker_threshold_reaches_the_linears_and_is_validated(tiny_model_pa
     assert all(m.gemm is None for m in off._runner.model.modules() if isinstance(m, PanelLinear))
     with pytest.raises(ValueError, match="cpu_gemm_from_rows"):
         EngineConfig(cpu_gemm_from_rows=-1)
+
+
+@pytest.mark.skipif(not mkl_packed_linear_available(), reason="no MKL in this torch build")
+def test_the_large_calls_library_is_the_faster_one_unless_set(monkeypatch):
+    """``cpu_gemm_library``: "mkl" and "onednn" are taken as said, without timing;
+    "auto" races the two on the probe and takes the faster (either way round: MKL led on
+    a Xeon, oneDNN on a Zen 5). The race itself times both libraries for real."""
+    from worker.cpu import packed_linear
+
+    probe = nn.Linear(64, 96)
+    real = packed_linear.time_gemms(probe, rows=32, rounds=2)
+    assert set(real) == {"mkl", "onednn"} and all(0 < t < 1 for t in real.values())
+
+    def no_race(*a, **k):
+        raise AssertionError("timed although the library was set")
+
+    monkeypatch.setattr(packed_linear, "time_gemms", no_race)
+    assert packed_linear.choose_gemm_library(probe, "mkl")[0] is True
+    assert packed_linear.choose_gemm_library(probe, "onednn")[0] is False
+    for mkl, onednn, want in ((0.002, 0.004, True), (0.009, 0.004, False)):
+        monkeypatch.setattr(packed_linear, "time_gemms", lambda *a, **k: {"mkl": mkl, "onednn": onednn})
+        use_mkl, why = packed_linear.choose_gemm_library(probe, "auto")
+        assert use_mkl is want and ("MKL" if want else "oneDNN") in why.split()[0]
+
+
+@needs_kernels
+@pytest.mark.skipif(not mkl_packed_linear_available(), reason="no MKL in this torch build")
+def test_the_worker_takes_the_library_it_is_given(tiny_model_path):
+    """The worker setting reaches the panels' large-call copies; a bad value is a
+    ValueError naming the field."""
+    from cluster.config import EngineConfig
+
+    for library, kind in (("mkl", MklPackedWeight), ("onednn", PackedLinear)):
+        worker = make_worker(tiny_model_path, cpu_gemm_from_rows=100, cpu_gemm_library=library)
+        copies = [m.gemm for m in worker._runner.model.modules() if isinstance(m, PanelLinear) and m.gemm is not None]
+        assert copies and all(isinstance(g, kind) for g in copies), library
+    with pytest.raises(ValueError, match="cpu_gemm_library"):
+        EngineConfig(cpu_gemm_library="openblas")

@@ -130,10 +130,15 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: (faster than oneDNN's at decode sizes; off: oneDNN's packed linear)
     cpu_panel_linear: bool = True
     #: CPU, float32, with cpu_panel_linear: linears called with at least this many rows
-    #: (prefill chunks) run on a library GEMM's packed copy of their weights (MKL's
-    #: sgemm where torch has MKL, else oneDNN's), kept beside the panels (the linears'
-    #: weights then twice in memory, the LM head once); 0: panels at every size, one copy
+    #: (prefill chunks) run on a library GEMM's packed copy of their weights
+    #: (cpu_gemm_library's), kept beside the panels (the linears' weights then twice in
+    #: memory, the LM head once); 0: panels at every size, one copy
     cpu_gemm_from_rows: int = 128
+    #: CPU, float32: the library of those large calls: "mkl" (MKL's packed sgemm),
+    #: "onednn" (oneDNN's packed linear), or "auto": the faster of the two, raced at
+    #: load on the model's largest linear (MKL leads on Intel Xeons; oneDNN by 2x on AMD
+    #: Zen 5, where MKL stays off AVX-512)
+    cpu_gemm_library: str = "auto"
     #: CPU: attention with the compiled paged kernel (off: gather the blocks + SDPA)
     cpu_attention_kernel: bool = True
     #: CPU: Llama, Mistral and Qwen2 run with fused layer ops (off: the transformers forward)
@@ -159,6 +164,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
                 self.num_spec_tokens)
         require(is_int(self.cpu_gemm_from_rows) and self.cpu_gemm_from_rows >= 0, "cpu_gemm_from_rows", ">= 0",
                 self.cpu_gemm_from_rows)
+        require(self.cpu_gemm_library in ("auto", "mkl", "onednn"), "cpu_gemm_library", '"auto", "mkl" or "onednn"',
+                self.cpu_gemm_library)
         require(self.ngram_min <= self.ngram_max, "ngram_min", f"<= ngram_max ({self.ngram_max})", self.ngram_min)
         require(is_int(self.seed), "seed", "an integer", self.seed)
         check_logprobs_options(self.max_logprobs, self.logprobs_mode)

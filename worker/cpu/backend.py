@@ -35,7 +35,7 @@ def prepare_cpu_backend(model: nn.Module, config: WorkerConfig, group: ParallelG
     packed = 0
     if config.cpu_packed_linear:
         panel_ops = ops if config.cpu_panel_linear else None
-        packed = pack_linear_layers(model, panel_ops, config.cpu_gemm_from_rows)
+        packed = pack_linear_layers(model, panel_ops, config.cpu_gemm_from_rows, config.cpu_gemm_library)
     kernel = CpuPagedKernel(ops) if ops is not None and config.cpu_attention_kernel else None
     return Backend(
         attention_kernel=kernel,

@@ -16,11 +16,13 @@ into a layout its kernel streams runs the same matmul faster. Three packings:
   early taking the other's from the back (``worker/cpu/csrc/work_split.h``). Needs the
   CPU kernels (``worker/cpu/kernels.py`` builds them) and output sizes that are
   multiples of 16; otherwise oneDNN's packing serves.
-- float32, large calls: MKL's packed sgemm (``MklPackedWeight``: ``cblas_sgemm_pack``
-  and ``_compute`` through torch's ``mkl::_mkl_linear``, what inductor's freezing uses
-  for float32 linears on x86), where torch has MKL: at prefill sizes it is ahead of both
-  oneDNN's packed linear and the panels. oneDNN's copy stands in where MKL is missing or
-  fails the load-time check.
+- float32, large calls: a library GEMM over its own packed copy, the faster on this
+  CPU of MKL's packed sgemm (``MklPackedWeight``: ``cblas_sgemm_pack`` and ``_compute``
+  through torch's ``mkl::_mkl_linear``, what inductor's freezing uses for float32
+  linears on x86) and oneDNN's packed linear, raced at load (``choose_gemm_library``):
+  MKL leads on an Intel Xeon, oneDNN by more than 2x on an AMD Zen 5 (where MKL keeps
+  off AVX-512). oneDNN's copy stands in where MKL is missing or fails the load-time
+  check.
 - oneDNN (``PackedLinear``): torch's own oneDNN linear with the weight reordered once
   into its blocked layout (what inductor's "freezing" does), faster than ``F.linear`` at
   decode sizes in float32 (``tests/bench/worker_step.py`` compares them).
@@ -42,11 +44,16 @@ weights exist once and the transformers forward still runs.
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("raydecode")
 
 
 def packed_linear_available() -> bool:
@@ -129,6 +136,43 @@ def large_call_gemm(linear: nn.Linear, use_mkl: bool) -> Any:
     """What a panel linear hands its calls of ``gemm_from_rows`` rows or more:
     MKL's packed sgemm (``use_mkl``: checked at load), else oneDNN's packed linear."""
     return MklPackedWeight(linear) if use_mkl else PackedLinear(linear)
+
+
+#: Rows of the load-time race between the two libraries (a long prefill chunk).
+GEMM_PROBE_ROWS = 512
+#: Timed calls of each library in that race (interleaved, after one warm-up each).
+GEMM_PROBE_ROUNDS = 5
+
+
+def time_gemms(probe: nn.Linear, rows: int = GEMM_PROBE_ROWS, rounds: int = GEMM_PROBE_ROUNDS) -> dict[str, float]:
+    """Seconds per call of ``probe`` at ``rows`` rows with MKL's packed copy and
+    oneDNN's (the best of ``rounds`` interleaved calls each, on this thread's torch
+    threads, as the worker's steps run them)."""
+    kinds = {"mkl": MklPackedWeight(probe), "onednn": PackedLinear(probe)}
+    x = torch.randn(rows, probe.in_features)
+    best = {k: math.inf for k in kinds}
+    for i in range(rounds + 1):
+        for name, gemm in kinds.items():
+            t0 = time.perf_counter()
+            gemm(x)
+            if i:  # the first round warms up (packing, page faults, code)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def choose_gemm_library(probe: nn.Linear, library: str) -> tuple[bool, str]:
+    """``(use_mkl, why)`` for the large calls, where both libraries passed their
+    load-time checks. ``library``: "mkl", "onednn", or "auto": the faster on this CPU
+    at ``GEMM_PROBE_ROWS`` rows (``time_gemms`` on ``probe``, the model's largest panel
+    linear). Neither is ahead everywhere: MKL's packed sgemm led oneDNN by ~15% on an
+    Intel Xeon (AMX), yet ran at less than half of oneDNN's speed on an AMD Zen 5,
+    where MKL does not take its AVX-512 code path."""
+    if library != "auto":
+        return library == "mkl", f"{'MKL' if library == 'mkl' else 'oneDNN'} (cpu_gemm_library)"
+    t = time_gemms(probe)
+    use_mkl = t["mkl"] < t["onednn"]
+    return use_mkl, (f"{'MKL' if use_mkl else 'oneDNN'} ({t['mkl'] * 1e3:.2f} ms MKL, {t['onednn'] * 1e3:.2f} ms "
+                     f"oneDNN for {probe.out_features}x{probe.in_features} at {GEMM_PROBE_ROWS} rows)")
 
 
 class PanelLinear(nn.Module):
@@ -260,16 +304,18 @@ def merged_parts(parts: list[nn.Module]) -> tuple[nn.Module, list[int]] | None:
     return merged, [p.out_features for p in parts]
 
 
-def pack_linear_layers(model: nn.Module, panel_ops: Any = None, gemm_from_rows: int = 0) -> int:
+def pack_linear_layers(model: nn.Module, panel_ops: Any = None, gemm_from_rows: int = 0,
+                       gemm_library: str = "auto") -> int:
     """Swaps every CPU ``nn.Linear`` of ``model`` for a packed one (inference only; a
     merged linear shared by its slices is packed once): a ``PanelLinear`` where
     ``panel_ops`` (the CPU kernels) can run it, else a ``PackedLinear`` where this CPU
     packs its dtype (``packable_dtypes``). Returns how many it packed. The first one of
     each kind and dtype is checked against ``F.linear``; a kind that misbehaves is not
     used (the layers stay as they are, or get the other kind). ``gemm_from_rows``
-    (> 0): panel linears keep a library GEMM's copy too (MKL's where it serves every
-    shape of the model at any row count, else oneDNN's), for calls of that many rows or
-    more (not the output embedding: only sampled rows reach it)."""
+    (> 0): panel linears keep a library GEMM's copy too, for calls of that many rows or
+    more (not the output embedding: only sampled rows reach it): MKL's where it serves
+    every shape of the model at any row count and ``gemm_library`` picks it
+    (``choose_gemm_library``), else oneDNN's."""
     dtypes = packable_dtypes()
     targets = [
         (parent, name, child)
@@ -285,8 +331,15 @@ def pack_linear_layers(model: nn.Module, panel_ops: Any = None, gemm_from_rows: 
     use_mkl = False
     if panel and gemm_from_rows > 0:
         shapes = {(t[2].out_features, t[2].in_features): t[2] for t in panel if t[2] is not output_embedding}
-        use_mkl = bool(shapes) and all(_mkl_gemm_serves_any_rows(probe) for probe in shapes.values())
-        if not use_mkl and not (torch.float32 in dtypes and _packs_correctly(panel[0][2])):
+        mkl_serves = gemm_library != "onednn" and bool(shapes) and all(
+            _mkl_gemm_serves_any_rows(probe) for probe in shapes.values())
+        onednn_serves = torch.float32 in dtypes and _packs_correctly(panel[0][2])
+        use_mkl = mkl_serves
+        if mkl_serves and onednn_serves:
+            largest = max(shapes.values(), key=lambda lin: lin.in_features * lin.out_features)
+            use_mkl, why = choose_gemm_library(largest, gemm_library)
+            logger.warning("float32 linears called with %d rows or more: %s", gemm_from_rows, why)
+        if not use_mkl and not onednn_serves:
             gemm_from_rows = 0  # no working float32 library packing here: panels at every size
     onednn = [t for t in targets if id(t[2]) not in panel_ids and t[2].weight.dtype in dtypes]
     if onednn and not all(_packs_correctly(probe) for probe in _first_of_each_dtype(onednn)):
