@@ -42,9 +42,15 @@ so both make exactly the tokens asked for):
             ``/v1/models`` (time to ready), warmed up, then loaded closed-loop by
             ``_load_generator.py`` (httpx, streamed ``/v1/completions``, token-id
             prompts of 16-400 tokens, ``max_tokens`` 128, ``ignore_eos``, temperature
-            0) at each ``--concurrency`` (1, 8, 32), max(8, 2 x concurrency) requests
-            per level, fresh prompts per level. Figures: output tok/s, TTFT p50/p99,
-            ITL p50/p99 (gaps between streamed tokens).
+            0) at each ``--concurrency`` (1, 8, 32, 64), max(8, min(256, 8 x
+            concurrency)) requests per level, fresh prompts per level. Figures:
+            output tok/s, TTFT p50/p99, TPOT p50, ITL p50/p99 (gaps between
+            streamed tokens), goodput (requests/s within ``--slo-ttft`` and
+            ``--slo-tpot``). Each level also prints where its first tokens' time
+            went: for ours per segment of the path (``--request-timeline``, joined
+            with the client's send and first-byte times), for both from their
+            ``/metrics`` histograms. ``--pairs N`` runs the two servers N times,
+            alternating; the table gives medians and the ratios' spread.
   prefix    on the same servers: 64 chat-like requests (the chat template rendered to
             token ids) sharing one ~400-token system prompt with short distinct user
             turns (8-32 tokens), ``max_tokens`` 64, closed loop at 8, prefix caching on
