@@ -251,7 +251,7 @@ def test_the_app_is_one_ingress_over_one_engine_deployment_per_model():
                                                            "name": "bee"})],
         "ingress_deployment_config": {"num_replicas": 2, "max_ongoing_requests": 500}})
     ingress = app._bound_deployment
-    engines, api_key, _ = ingress.init_args
+    engines, api_key, *_ = ingress.init_args
     assert (ingress.name, ingress._deployment_config.num_replicas, api_key) == ("OpenAIIngress", 2, None)
     assert ingress._deployment_config.max_ongoing_requests == 500
     assert sorted(engines) == ["a", "org/b.v1"]
