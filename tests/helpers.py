@@ -17,6 +17,7 @@ need them, so a benchmark script can take ``free_port`` cheaply.
 from __future__ import annotations
 
 import copy
+import json
 import random
 import socket
 from collections.abc import Callable, Iterator
@@ -254,3 +255,28 @@ def served(args: dict[str, Any], name: str) -> Iterator[str]:
 
 def post_json(server: str, body: dict, path: str = "/v1/chat/completions", model: str = "tiny") -> httpx.Response:
     return httpx.post(f"{server}{path}", json={"model": model, **body}, timeout=120)
+
+
+def stream_completion_text(url: str, body: dict, began: Any = None) -> tuple[str, str | None]:
+    """POSTs a streaming ``/v1/completions`` ``body`` to ``url``: (its text, None) when
+    it ended with ``[DONE]``, else (the text so far, how it ended: a status, an error
+    event, a cut connection). ``began`` (a ``threading.Event``) is set at its first text."""
+    parts: list[str] = []
+    done = False
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=180) as r:
+            if r.status_code != 200:
+                return "", f"HTTP {r.status_code}: {r.read()[:300]!r}"
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        return "".join(parts), f"error event: {chunk['error']}"
+                    parts.append(chunk["choices"][0]["text"])
+                    if began is not None:
+                        began.set()
+    except httpx.HTTPError as exc:
+        return "".join(parts), f"{type(exc).__name__}: {exc}"
+    return "".join(parts), None if done else f"no [DONE] after {len(parts)} chunks"

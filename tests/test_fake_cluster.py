@@ -50,7 +50,7 @@ import psutil
 import pytest
 import yaml
 
-from helpers import assert_greedy_equal, free_port, generate
+from helpers import assert_greedy_equal, free_port, generate, stream_completion_text
 
 if TYPE_CHECKING:
     from ray.autoscaler.v2.schema import ClusterStatus
@@ -321,27 +321,9 @@ def stream(port: int, prompt: str, max_tokens: int, sleep_ms: int,
            began: threading.Event | None = None) -> tuple[str, str | None]:
     """A streaming greedy completion: (its text, None) when it ended with ``[DONE]``,
     else (the text so far, how it ended). ``began`` is set at its first text."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "vllm_xargs": {"step_sleep_ms": sleep_ms}}
-    parts: list[str] = []
-    done = False
-    try:
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=180) as r:
-            if r.status_code != 200:
-                return "", f"HTTP {r.status_code}: {r.read()[:300]!r}"
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        return "".join(parts), f"error event: {chunk['error']}"
-                    parts.append(chunk["choices"][0]["text"])
-                    if began is not None:
-                        began.set()
-    except httpx.HTTPError as exc:
-        return "".join(parts), f"{type(exc).__name__}: {exc}"
-    return "".join(parts), None if done else f"no [DONE] after {len(parts)} chunks"
+    return stream_completion_text(f"http://127.0.0.1:{port}", body, began)
 
 
 @dataclass

@@ -11,7 +11,6 @@ logits.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -21,7 +20,7 @@ import pytest
 from ray import serve
 
 from deploy.serve import build_app
-from helpers import free_port
+from helpers import free_port, stream_completion_text
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 APP = "scaling"
@@ -50,25 +49,9 @@ def wait_for(what, timeout: float, every: float = 0.25) -> float:
 def stream_text(url: str, prompt: str, max_tokens: int, sleep_ms: int, out: dict, key: str) -> None:
     """A streaming completion; ``out[key]`` gets its text, or the error it ended with."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "vllm_xargs": {"step_sleep_ms": sleep_ms}}
-    text, done = [], False
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
-            if r.status_code != 200:
-                out[key] = f"HTTP {r.status_code}: {r.read()!r}"
-                return
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        out[key] = f"error event: {chunk}"
-                        return
-                    text.append(chunk["choices"][0]["text"])
-        out[key] = "".join(text) if done else f"cut after {len(text)} chunks"
-    except httpx.HTTPError as exc:
-        out[key] = f"{type(exc).__name__}: {exc}"
+            "vllm_xargs": {"step_sleep_ms": sleep_ms}}
+    text, error = stream_completion_text(url, body)
+    out[key] = text if error is None else error
 
 
 def plain_text(url: str, prompt: str, max_tokens: int) -> str:
