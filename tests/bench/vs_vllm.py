@@ -135,8 +135,6 @@ PEER_SCRIPT = HERE / "_vllm_peer.py"
 MARKER = "@@VS_VLLM@@ "
 TARGET_OFFLINE, TARGET_SERVED = 1.2, 1.0
 PHASES = ("offline", "served", "prefix")
-#: ours' request timeline file (``--request-timeline``), set by main for the served runs
-TIMELINE: Path | None = None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -282,9 +280,9 @@ def from_load(res: LoadResult) -> Figures:
     err = None
     if res.errors:
         err = f"{len(res.errors)}/{len(res.records)} requests failed: {res.errors[0]}"
-    tpot = [(r.latency - r.ttft) / (r.tokens - 1) for r in res.ok if r.tokens > 1]
-    good = sum(r.ttft <= SLO["ttft"] and r.tokens > 1 and (r.latency - r.ttft) / (r.tokens - 1) <= SLO["tpot"]
-               for r in res.ok)
+    timed = [(r.ttft, (r.latency - r.ttft) / (r.tokens - 1)) for r in res.ok if r.tokens > 1]
+    tpot = [t for _, t in timed]
+    good = sum(ttft <= SLO["ttft"] and t <= SLO["tpot"] for ttft, t in timed)
     return Figures(res.tps, res.ttfts, res.itls, res.wall, err, tpot, good / res.wall if res.wall > 0 else math.nan)
 
 
@@ -441,14 +439,15 @@ class Served:
     error: str | None = None
 
 
-def ours_server_cmd(model_dir: str, port: int) -> list[str]:
+def ours_server_cmd(model_dir: str, port: int, timeline: Path | None = None) -> list[str]:
+    """``raydecode serve`` as measured; ``timeline``: its ``--request-timeline`` file."""
     kw = ours_engine_kwargs()
     return [sys.executable, "-m", "deploy.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", DEFAULT_MODEL_NAME, "--num-workers", "1",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
             "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]), "--kv-cache-prefault", "--dtype", DTYPE,
-            *(["--request-timeline", str(TIMELINE)] if TIMELINE else []), *extra_flags()]
+            *(["--request-timeline", str(timeline)] if timeline else []), *extra_flags()]
 
 
 def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
@@ -759,18 +758,19 @@ def main() -> None:
             prefix = (reqs, args.prefix_concurrency)
         served_warm = [LoadRequest(r.prompt, 8) for r in warm]
         ours_env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        global TIMELINE
-        TIMELINE = logs / "ours-timeline.jsonl"
+        timeline = logs / "ours-timeline.jsonl"
         ours_runs: list[Served] = []
         peer_runs: list[Served] = []
         for i in range(args.pairs):
             tag = f" (run {i + 1}/{args.pairs})" if args.pairs > 1 else ""
-            ours_runs.append(served_run(f"raydecode serve{tag}", lambda port: ours_server_cmd(model_dir, port),
-                                        ours_env, logs / f"ours-serve-{i}.log", served_warm, levels, prefix,
-                                        args.ready_timeout, TIMELINE))
+            run_prefix = prefix if i == 0 else None  # the table reports the first run's
+            ours_runs.append(served_run(f"raydecode serve{tag}",
+                                        lambda port: ours_server_cmd(model_dir, port, timeline), ours_env,
+                                        logs / f"ours-serve-{i}.log", served_warm, levels, run_prefix,
+                                        args.ready_timeout, timeline))
             if peer_py is not None:
                 peer_runs.append(served_run(f"vllm serve{tag}", lambda port: peer_server_cmd(peer_py, model_dir, port),
-                                            env, logs / f"vllm-serve-{i}.log", served_warm, levels, prefix,
+                                            env, logs / f"vllm-serve-{i}.log", served_warm, levels, run_prefix,
                                             args.ready_timeout))
         ours_s = ours_runs[0]
         peer_s = peer_runs[0] if peer_runs else None
