@@ -10,6 +10,20 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def _serve_as_shipped() -> None:
+    """Serve's replicas talk as `raydecode serve` and the cluster files make them
+    (gRPC between replicas): set before Ray starts or Serve is imported, so the Ray
+    every test starts, and each Serve app on it, runs that way. Direct ingress stays
+    off here: in-process apps are reached through Serve's proxy."""
+    from deploy.cli import throughput_serve_env
+
+    for key, value in throughput_serve_env(direct_ingress=False).items():
+        os.environ.setdefault(key, value)
+
+
+_serve_as_shipped()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     from tiny_model import build_tiny_model

