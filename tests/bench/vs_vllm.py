@@ -104,6 +104,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -460,16 +461,23 @@ def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching", "--seed", "0"]
 
 
-def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm: list[LoadRequest],
-               levels: dict[int, list[LoadRequest]], prefix: tuple[list[LoadRequest], int] | None,
-               ready_timeout_s: float, timeline: Path | None = None) -> Served:
-    """Starts one server, waits until it is ready, runs the levels (and the prefix
-    workload), and always stops it. Each level prints where its first tokens' time
-    went: from ``/metrics`` (either server) and, with ``timeline`` (ours' request
-    timeline file), per segment of the path."""
+@dataclass
+class Launched:
+    """A server :func:`launched` started: its base URL and how long it took to be ready."""
+
+    base: str
+    ready_s: float
+
+
+@contextlib.contextmanager
+def launched(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm: list[LoadRequest],
+             ready_timeout_s: float) -> Iterator[Launched]:
+    """Starts a server (``cmd_for_port(port)``, on a free port, its output to ``log``),
+    waits until it is ready (``/health`` and ``/v1/models``, timed from launch) and warms
+    it up with ``warm``; on the way out, however it goes, stops it and everything it
+    started."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    out = Served()
     print(f"served: starting {label} on port {port} ... (log: {log})", flush=True)
     with open(log, "w") as logf:
         t0 = time.perf_counter()
@@ -478,15 +486,33 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
         seen: list[psutil.Process] = []
         try:
             wait_ready(base, proc, timeout_s=ready_timeout_s)
-            out.ready_s = time.perf_counter() - t0
+            ready_s = time.perf_counter() - t0
             seen = _tree(proc)
+            print(f"  {label} ready after {ready_s:.1f} s; warming up", flush=True)
+            w = run_load(base, served_model(base), warm, concurrency=len(warm))
+            if w.errors:
+                raise RuntimeError(f"warm-up failed: {w.errors[0]}")
+            yield Launched(base, ready_s)
+        finally:
+            print(f"  stopping {label} ...", flush=True)
+            stop_group(proc, seen)
+
+
+def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm: list[LoadRequest],
+               levels: dict[int, list[LoadRequest]], prefix: tuple[list[LoadRequest], int] | None,
+               ready_timeout_s: float, timeline: Path | None = None) -> Served:
+    """Starts one server (:func:`launched`), runs the levels (and the prefix workload),
+    and always stops it. Each level prints where its first tokens' time went: from
+    ``/metrics`` (either server) and, with ``timeline`` (ours' request timeline file),
+    per segment of the path."""
+    out = Served()
+    try:
+        with launched(label, cmd_for_port, env, log, warm, ready_timeout_s) as server:
+            base = server.base
+            out.ready_s = server.ready_s
             model = served_model(base)
             with contextlib.suppress(Exception):
                 out.version = httpx.get(f"{base}/version", timeout=10).json().get("version")
-            print(f"  {label} ready after {out.ready_s:.1f} s; warming up", flush=True)
-            w = run_load(base, model, warm, concurrency=len(warm))
-            if w.errors:
-                raise RuntimeError(f"warm-up failed: {w.errors[0]}")
             for c, reqs in levels.items():
                 print(f"  {label}: concurrency {c}, {len(reqs)} requests ...", flush=True)
                 time.sleep(1.5)  # ours: what came before (the warm-up) has reached /metrics
@@ -507,13 +533,9 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                 reqs, conc = prefix
                 print(f"  {label}: shared prefix, {len(reqs)} requests at concurrency {conc} ...", flush=True)
                 out.prefix = from_load(run_load(base, model, reqs, concurrency=conc))
-            seen += _tree(proc)
-        except Exception as exc:  # noqa: BLE001 -- a server that fails is a note, not a crash
-            out.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            print(f"{label} server failed: {out.error}\n--- {log} (tail) ---\n{tail(log)}", flush=True)
-        finally:
-            print(f"  stopping {label} ...", flush=True)
-            stop_group(proc, seen)
+    except Exception as exc:  # noqa: BLE001 -- a server that fails is a note, not a crash
+        out.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        print(f"{label} server failed: {out.error}\n--- {log} (tail) ---\n{tail(log)}", flush=True)
     return out
 
 
