@@ -404,6 +404,21 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
     engine = engine_kwargs(args)
+    # Serve reads these when it is imported (its handles take their transport from
+    # them: gRPC in the throughput-optimized mode) and its processes when Ray starts:
+    # so before anything below imports Serve.
+    address = engine.pop("address", None)  # the replica runs inside that cluster already
+    proxy_port = args.port
+    if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        _check_port(ap, args.host, args.port)
+        for key, value in (quiet_serve_env() | throughput_serve_env(args.direct_ingress)).items():
+            os.environ.setdefault(key, value)  # read by Serve's processes: before Ray starts
+        if args.direct_ingress:
+            # Read by Serve's controller and replica processes, which inherit the
+            # environment of the Ray this process starts.
+            os.environ.update(direct_ingress_env(args.port))
+            proxy_port = _free_port(args.host)  # the head proxy Serve keeps as a fallback
     api = _api_args(ap, args) | _replica_args(ap, args)
     if args.model_tag is not None:
         if engine.get("model") not in (None, args.model_tag):
@@ -415,19 +430,6 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         EngineConfig(**engine)  # refuse bad values here, not in a replica
     except (ValueError, TypeError) as exc:
         ap.error(f"engine configuration: {exc}")
-    address = engine.pop("address", None)  # the replica runs inside that cluster already
-    proxy_port = args.port
-    if address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        _check_port(ap, args.host, args.port)
-        for key, value in (quiet_serve_env() | throughput_serve_env(args.direct_ingress)).items():
-            os.environ.setdefault(key, value)  # read by Serve's processes: before Ray starts
-        if args.direct_ingress:
-            # Read by Serve's controller and replica processes, which inherit the
-            # environment of the Ray this process starts: set before it starts (and
-            # before Serve is imported here).
-            os.environ.update(direct_ingress_env(args.port))
-            proxy_port = _free_port(args.host)  # the head proxy Serve keeps as a fallback
     from ray import serve
 
     from cluster.ray_session import RaySession

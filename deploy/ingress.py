@@ -104,6 +104,18 @@ def _cancel(stream: Any) -> None:
             pass
 
 
+def over_cluster_transport(handle: Any) -> Any:
+    """``handle`` calling its replicas the way this process's Serve is set to: over
+    gRPC in Serve's throughput-optimized mode (``RAY_SERVE_USE_GRPC_BY_DEFAULT``, which
+    the mode turns on), else by Ray actor calls. A handle otherwise keeps the choice of
+    the process that built the app, whose environment may not be the cluster's (a
+    driver that imported Serve before setting it, ``--address`` to a cluster started
+    with the mode): the streams then paid for Ray's object store on every item."""
+    from ray.serve._private import constants
+
+    return handle.options(_by_reference=not constants.RAY_SERVE_USE_GRPC_BY_DEFAULT)
+
+
 def _json(reply: Reply) -> JSONResponse:
     return JSONResponse(reply.body, status_code=reply.status)
 
@@ -117,7 +129,9 @@ class OpenAIIngress:
                  request_timeline: str | None = None) -> None:
         if not engines:
             raise ValueError("the ingress needs at least one engine deployment")
-        self.engines = engines
+        self.engines = {name: over_cluster_transport(h) for name, h in engines.items()}
+        grpc = not next(iter(self.engines.values())).handle_options._by_reference
+        logger.info("engine calls over %s", "gRPC" if grpc else "Ray actor calls")
         self.api_key = api_key
         self.retry_after_s = retry_after_s
         self._cards: dict[str, dict[str, Any]] = {}

@@ -246,6 +246,14 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
+def _replica_log(ray_procs: list[psutil.Process], deployment: str) -> str:
+    """The Serve log of ``deployment``'s replica, from the session of the Ray whose
+    processes are ``ray_procs`` (its GCS names the session's log folder)."""
+    (log_dir,) = {arg.split("=", 1)[1] for p in ray_procs if "gcs_server" in _cmdline(p)
+                  for arg in p.cmdline() if arg.startswith("--log_dir=")}
+    return "".join(f.read_text() for f in Path(log_dir, "serve").glob(f"replica_*_{deployment}_*.log"))
+
+
 def _aborted(port: int) -> float:
     """Requests the server counts as aborted (``vllm:request_success``, "abort")."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -268,6 +276,9 @@ def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
         holders = {c.pid for c in psutil.net_connections(kind="tcp")
                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
         assert [_cmdline(psutil.Process(pid)).split()[0] for pid in holders] == ["ray::ServeReplica:raydecode:OpenAIIngress"]
+        # Serve's throughput-optimized mode reached the handles: the ingress streams
+        # from the engine over gRPC (it had not, while the CLI imported Serve first).
+        assert "engine calls over gRPC" in _replica_log(started, "OpenAIIngress")
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == "tiny"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
