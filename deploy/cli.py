@@ -493,8 +493,12 @@ def throughput_serve_env(direct_ingress: bool) -> dict[str, str]:
     ingress calls the engine replicas over gRPC instead of Ray actor calls, so a
     streamed item is no longer an object in Ray's store, and each replica runs our
     code and its handle's router on its main event loop instead of threads of their
-    own. The streams of 32 clients cost the two replicas 13% of a core instead of
-    23%, which the worker gets back (+8-11% tokens/s served on two cores). Three of
+    own. On two cores the worker gets back what the two replicas stop using: the
+    main loops took them from 23% to 13% of a core at 32 streams (+8-11% tokens/s),
+    and gRPC took the ingress from 8.5% to 4.1% at 64 (+14%). A handle takes its
+    transport from the Serve of the process that makes it, when Serve is imported:
+    set these first (``_serve``; the ingress also follows its own process's mode,
+    ``deploy.ingress.over_cluster_transport``). Three of
     the mode's other defaults are undone: replica logs still reach the console and
     each request's access-log line is written when it ends, not a thousand at a time
     (neither measured a cost), and direct ingress stays whatever ``--direct-ingress``
