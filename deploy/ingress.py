@@ -110,10 +110,13 @@ def over_cluster_transport(handle: Any) -> Any:
     the mode turns on), else by Ray actor calls. A handle otherwise keeps the choice of
     the process that built the app, whose environment may not be the cluster's (a
     driver that imported Serve before setting it, ``--address`` to a cluster started
-    with the mode): the streams then paid for Ray's object store on every item."""
+    with the mode): the streams then paid for Ray's object store on every item.
+    Logs which it is."""
     from ray.serve._private import constants
 
-    return handle.options(_by_reference=not constants.RAY_SERVE_USE_GRPC_BY_DEFAULT)
+    grpc = constants.RAY_SERVE_USE_GRPC_BY_DEFAULT
+    logger.info("engine calls over %s", "gRPC" if grpc else "Ray actor calls")
+    return handle.options(_by_reference=not grpc)
 
 
 def _json(reply: Reply) -> JSONResponse:
@@ -130,8 +133,6 @@ class OpenAIIngress:
         if not engines:
             raise ValueError("the ingress needs at least one engine deployment")
         self.engines = {name: over_cluster_transport(h) for name, h in engines.items()}
-        grpc = not next(iter(self.engines.values())).handle_options._by_reference
-        logger.info("engine calls over %s", "gRPC" if grpc else "Ray actor calls")
         self.api_key = api_key
         self.retry_after_s = retry_after_s
         self._cards: dict[str, dict[str, Any]] = {}
