@@ -463,9 +463,11 @@ def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
 
 @dataclass
 class Launched:
-    """A server :func:`launched` started: its base URL and how long it took to be ready."""
+    """A server :func:`launched` started: its base URL, the model it serves and how
+    long it took to be ready."""
 
     base: str
+    model: str
     ready_s: float
 
 
@@ -489,13 +491,14 @@ def launched(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm
             ready_s = time.perf_counter() - t0
             seen = _tree(proc)
             print(f"  {label} ready after {ready_s:.1f} s; warming up", flush=True)
-            w = run_load(base, served_model(base), warm, concurrency=len(warm))
+            model = served_model(base)
+            w = run_load(base, model, warm, concurrency=len(warm))
             if w.errors:
                 raise RuntimeError(f"warm-up failed: {w.errors[0]}")
-            yield Launched(base, ready_s)
+            yield Launched(base, model, ready_s)
         finally:
             print(f"  stopping {label} ...", flush=True)
-            stop_group(proc, seen)
+            stop_group(proc, seen + _tree(proc))  # with what it started since it was ready
 
 
 def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm: list[LoadRequest],
@@ -510,7 +513,7 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
         with launched(label, cmd_for_port, env, log, warm, ready_timeout_s) as server:
             base = server.base
             out.ready_s = server.ready_s
-            model = served_model(base)
+            model = server.model
             with contextlib.suppress(Exception):
                 out.version = httpx.get(f"{base}/version", timeout=10).json().get("version")
             for c, reqs in levels.items():
