@@ -77,11 +77,12 @@ def test_each_packable_dtype_is_packed_and_others_left_alone():
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 30, 300])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 28, 30, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_equals_the_exact_product(isa, rows, bias):
-    """Every row-block size (1 to 12 and remainders), an odd number of panels (5: the
-    last AVX-512 pair is a single panel) and an odd inner size."""
+    """Every row-block size (1 to 12, remainders, and a short remainder shared with the
+    block before it: 13 = 7 + 6, 16 = 8 + 8, 28 = 12 + 8 + 8), an odd number of panels
+    (5: the last AVX-512 pair is a single panel) and an odd inner size."""
     g = torch.Generator().manual_seed(rows)
     lin = nn.Linear(97, 80, bias=bias)
     x = torch.randn(rows, 97, generator=g)
@@ -101,12 +102,15 @@ def test_a_row_of_a_panel_linear_does_not_depend_on_its_batch(isa):
     weight = torch.randn(48, 200, generator=g)
     panels = OPS.pack_panels(weight)
     x = torch.randn(37, 200, generator=g)
-    batch = torch.empty(37, 48)
-    OPS.panel_linear(batch, x, panels, None, isa)
-    for r in (0, 11, 12, 36):
-        alone = torch.empty(1, 48)
-        OPS.panel_linear(alone, x[r:r + 1].contiguous(), panels, None, isa)
-        assert torch.equal(alone[0], batch[r])
+    alone = {}
+    for r in range(37):
+        alone[r] = torch.empty(1, 48)
+        OPS.panel_linear(alone[r], x[r:r + 1].contiguous(), panels, None, isa)
+    for m in (37, 16, 28):  # blocks of 12 + 1; 8 + 8; 12 + 8 + 8
+        batch = torch.empty(m, 48)
+        OPS.panel_linear(batch, x[:m].contiguous(), panels, None, isa)
+        for r in range(m):
+            assert torch.equal(alone[r][0], batch[r]), (m, r)
 
 
 @needs_kernels

@@ -61,14 +61,21 @@ __attribute__((target("avx512f,fma"))) void block_avx512(const Args& a, int64_t 
   const float* w0 = a.w + p * K * PANEL;
   const float* w1 = w0 + K * PANEL;
   const float* x = a.x + m0 * K;
-  const int64_t pf_every = pf_lines > 0 ? std::max<int64_t>(1, K / pf_lines) : K + 1;
+  // Lines per prefetch point: more than one when the block has more lines to ask for
+  // than k steps (a single block of rows asks for both of the next unit's panels, 2K
+  // lines; one per step left the second panel to demand misses: 6 to 12 rows ran 35-45%
+  // slower), then the spacing of the points.
+  const int64_t pf_burst = std::max<int64_t>(1, (pf_lines + K - 1) / K);
+  const int64_t pf_every = pf_lines > 0 ? std::max<int64_t>(1, K * pf_burst / pf_lines) : K + 1;
   int64_t pf_left = pf_lines;
   if (np == 2) {
     for (int64_t k = 0; k < K; ++k) {
       if (pf_left > 0 && k % pf_every == 0) {
-        _mm_prefetch(pf, _MM_HINT_T1);
-        pf += 64;
-        --pf_left;
+        for (int64_t j = 0; j < pf_burst && pf_left > 0; ++j) {
+          _mm_prefetch(pf, _MM_HINT_T1);
+          pf += 64;
+          --pf_left;
+        }
       }
       const __m512 wa = _mm512_loadu_ps(w0 + k * PANEL);
       const __m512 wb = _mm512_loadu_ps(w1 + k * PANEL);
@@ -184,11 +191,20 @@ void run_unit(const Args& a, Isa isa, int64_t unit) {
       const int64_t next = std::min<int64_t>(2, P - (p + 2));
       const int64_t lines = a.M >= 6 && next > 0 ? next * a.K : 0;  // a panel's row of 16 floats: one line
       const char* pf = lines ? reinterpret_cast<const char*>(a.w + (p + 2) * a.K * PANEL) : nullptr;
+      // Blocks of 12 rows, except that a remainder of 1 to 5 shares the last two
+      // blocks evenly (16 rows: 8 + 8, not 12 + 4): a block that short ends before its
+      // share of the next unit's prefetch has arrived (measured: 16 rows 15% faster, 13
+      // rows 30%; 12 + 8 stays, 10 + 10 was slower).
+      const int64_t rem = a.M % AVX512_ROWS;
+      const int64_t even_from = (a.M > AVX512_ROWS && rem > 0 && rem < 6) ? a.M - AVX512_ROWS - rem : a.M;
       int64_t done = 0;
-      for (int64_t b = 0, m0 = 0; m0 < a.M; ++b, m0 += AVX512_ROWS) {
+      for (int64_t b = 0, m0 = 0; m0 < a.M; ++b) {
+        int64_t rows = std::min<int64_t>(AVX512_ROWS, a.M - m0);
+        if (m0 >= even_from) rows = m0 == even_from ? (AVX512_ROWS + rem + 1) / 2 : a.M - m0;
         const int64_t upto = lines * (b + 1) / blocks;
-        AVX512_BLOCKS[std::min<int64_t>(AVX512_ROWS, a.M - m0)](a, m0, p, np, pf + done * 64, upto - done);
+        AVX512_BLOCKS[rows](a, m0, p, np, pf + done * 64, upto - done);
         done = upto;
+        m0 += rows;
       }
       return;
     }
