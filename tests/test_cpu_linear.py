@@ -102,10 +102,9 @@ def test_a_row_of_a_panel_linear_does_not_depend_on_its_batch(isa):
     weight = torch.randn(48, 200, generator=g)
     panels = OPS.pack_panels(weight)
     x = torch.randn(37, 200, generator=g)
-    alone = {}
-    for r in range(37):
-        alone[r] = torch.empty(1, 48)
-        OPS.panel_linear(alone[r], x[r:r + 1].contiguous(), panels, None, isa)
+    alone = [torch.empty(1, 48) for _ in range(37)]
+    for r, out in enumerate(alone):
+        OPS.panel_linear(out, x[r:r + 1].contiguous(), panels, None, isa)
     for m in (37, 16, 28):  # blocks of 12 + 1; 8 + 8; 12 + 8 + 8
         batch = torch.empty(m, 48)
         OPS.panel_linear(batch, x[:m].contiguous(), panels, None, isa)

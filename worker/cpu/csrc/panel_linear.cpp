@@ -193,14 +193,14 @@ void run_unit(const Args& a, Isa isa, int64_t unit) {
       const char* pf = lines ? reinterpret_cast<const char*>(a.w + (p + 2) * a.K * PANEL) : nullptr;
       // Blocks of 12 rows, except that a remainder of 1 to 5 shares the last two
       // blocks evenly (16 rows: 8 + 8, not 12 + 4): a block that short ends before its
-      // share of the next unit's prefetch has arrived (measured: 16 rows 15% faster, 13
-      // rows 30%; 12 + 8 stays, 10 + 10 was slower).
+      // share of the next unit's prefetch has arrived (measured: 16 rows 10-15% faster,
+      // 13 rows 25-30%; 12 + 8 stays, 10 + 10 was slower). The block after the first
+      // even one is what is left.
       const int64_t rem = a.M % AVX512_ROWS;
       const int64_t even_from = (a.M > AVX512_ROWS && rem > 0 && rem < 6) ? a.M - AVX512_ROWS - rem : a.M;
       int64_t done = 0;
       for (int64_t b = 0, m0 = 0; m0 < a.M; ++b) {
-        int64_t rows = std::min<int64_t>(AVX512_ROWS, a.M - m0);
-        if (m0 >= even_from) rows = m0 == even_from ? (AVX512_ROWS + rem + 1) / 2 : a.M - m0;
+        const int64_t rows = m0 == even_from ? (AVX512_ROWS + rem + 1) / 2 : std::min<int64_t>(AVX512_ROWS, a.M - m0);
         const int64_t upto = lines * (b + 1) / blocks;
         AVX512_BLOCKS[rows](a, m0, p, np, pf + done * 64, upto - done);
         done = upto;
