@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+import pydantic
 from openai.types import CompletionUsage
 
 from cluster.outputs import RequestOutput
@@ -17,6 +18,21 @@ from cluster.outputs import RequestOutput
 #: A logprob of -inf (a token the processors banned) is sent as this, as vLLM and
 #: OpenAI do: JSON has no infinity.
 MIN_LOGPROB = -9999.0
+
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def construct(model: type[M], /, **fields: Any) -> M:
+    """``model`` with ``fields`` set as given, unvalidated: pydantic's own
+    ``model_construct``. The openai package's models override it with a recursive
+    version that converts every value to its annotated type (~30 us a streamed chunk
+    against ~6); the values here are already of their types, so both dump the same
+    JSON."""
+    return _model_construct(model, **fields)
+
+
+_model_construct = pydantic.BaseModel.model_construct.__func__
 
 
 def new_id(prefix: str, request_id: str | None = None) -> str:

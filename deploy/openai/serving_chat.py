@@ -27,7 +27,7 @@ from openai.types.chat.chat_completion_token_logprob import TopLogprob
 
 from cluster.outputs import CompletionOutput, RequestOutput
 from deploy.openai.protocol import ChatCompletionRequest
-from deploy.openai.responses import TokenText, finite_logprob, prompt_logprobs_json, usage
+from deploy.openai.responses import TokenText, construct, finite_logprob, prompt_logprobs_json, usage
 from deploy.openai.tool_parsers import ToolCall, ToolCallDelta
 
 
@@ -55,8 +55,8 @@ def chat_logprobs(c: CompletionOutput, top: int, text: TokenText) -> ChoiceLogpr
 
 
 def _message_tool_calls(calls: list[ToolCall]) -> list[ChatCompletionMessageFunctionToolCall]:
-    return [ChatCompletionMessageFunctionToolCall.model_construct(
-        id=c.id, type="function", function=CalledToolFunction.model_construct(name=c.name, arguments=c.arguments))
+    return [construct(ChatCompletionMessageFunctionToolCall,
+        id=c.id, type="function", function=construct(CalledToolFunction, name=c.name, arguments=c.arguments))
         for c in calls]
 
 
@@ -72,11 +72,11 @@ def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[ChoiceDeltaToolCall]:
     out = []
     for d in merged.values():
         if d.id is not None:
-            function = ChoiceDeltaToolCallFunction.model_construct(name=d.name, arguments=d.arguments)
-            out.append(ChoiceDeltaToolCall.model_construct(index=d.index, id=d.id, type="function", function=function))
+            function = construct(ChoiceDeltaToolCallFunction, name=d.name, arguments=d.arguments)
+            out.append(construct(ChoiceDeltaToolCall, index=d.index, id=d.id, type="function", function=function))
         else:
-            function = ChoiceDeltaToolCallFunction.model_construct(arguments=d.arguments)
-            out.append(ChoiceDeltaToolCall.model_construct(index=d.index, function=function))
+            function = construct(ChoiceDeltaToolCallFunction, arguments=d.arguments)
+            out.append(construct(ChoiceDeltaToolCall, index=d.index, function=function))
     return out
 
 
@@ -86,24 +86,24 @@ def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletion
     choices = []
     for c in out.outputs:
         finish_reason = c.finish_reason
-        message = ChatCompletionMessage.model_construct(role=role, content=echo + c.text)
+        message = construct(ChatCompletionMessage, role=role, content=echo + c.text)
         if plan.parses:
             content, calls = plan.parser_for_choice().parse(c.text)
             finish_reason = plan.finish_reason(c.finish_reason, bool(calls))
             if calls:
                 content = echo + content if content else (echo or plan.empty_content())
-                message = ChatCompletionMessage.model_construct(role=role, content=content,
+                message = construct(ChatCompletionMessage, role=role, content=content,
                                                                 tool_calls=_message_tool_calls(calls))
             else:
-                message = ChatCompletionMessage.model_construct(role=role, content=echo + content)
+                message = construct(ChatCompletionMessage, role=role, content=echo + content)
         fields: dict[str, Any] = {
             "index": c.index, "message": message,
             "finish_reason": finish_reason, "logprobs": chat_logprobs(c, top, text), "stop_reason": c.stop_reason,
         }
         if body.return_token_ids:
             fields["token_ids"] = list(c.token_ids)
-        choices.append(ChatChoice.model_construct(**fields))
-    response = ChatCompletion.model_construct(
+        choices.append(construct(ChatChoice, **fields))
+    response = construct(ChatCompletion,
         id=rid, object="chat.completion", created=int(time.time()), model=model,
         choices=choices, usage=usage([out]), prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
@@ -128,7 +128,7 @@ class ChatChunks:
         _, self.continuous = body.usage_options()
 
     def _chunk(self, choice: ChunkChoice, index: int, **extra: Any) -> ChatCompletionChunk:
-        chunk = ChatCompletionChunk.model_construct(
+        chunk = construct(ChatCompletionChunk,
             id=self.rid, object="chat.completion.chunk", created=self.created, model=self.model,
             choices=[choice], **extra,
         )
@@ -145,25 +145,25 @@ class ChatChunks:
             self.started = True
             extra = {"prompt_token_ids": list(out.prompt_token_ids)} if body.return_token_ids else {}
             for i in range(body.num_samples):
-                delta = ChoiceDelta.model_construct(role=body.response_role(), content="")
-                chunks.append(self._chunk(ChunkChoice.model_construct(index=i, delta=delta, logprobs=None,
+                delta = construct(ChoiceDelta, role=body.response_role(), content="")
+                chunks.append(self._chunk(construct(ChunkChoice, index=i, delta=delta, logprobs=None,
                                                                       finish_reason=None), i, **extra))
             echo = body.echo_text()
             if echo:
                 for i in range(body.num_samples):
-                    delta = ChoiceDelta.model_construct(content=echo)
-                    chunks.append(self._chunk(ChunkChoice.model_construct(index=i, delta=delta, logprobs=None,
+                    delta = construct(ChoiceDelta, content=echo)
+                    chunks.append(self._chunk(construct(ChunkChoice, index=i, delta=delta, logprobs=None,
                                                                           finish_reason=None), i))
         for c in out.outputs:
             self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
             logprobs = chat_logprobs(c, body.top_logprobs or 0, self.text)
-            delta, finish_reason = ChoiceDelta.model_construct(content=c.text), c.finish_reason
+            delta, finish_reason = construct(ChoiceDelta, content=c.text), c.finish_reason
             if self.plan is not None:
                 delta, finish_reason = self._parsed_delta(c)
                 if delta is None:
                     if c.finish_reason is None and logprobs is None and not body.return_token_ids:
                         continue  # nothing to send yet (text held back by the parser)
-                    delta = ChoiceDelta.model_construct()
+                    delta = construct(ChoiceDelta)
             fields: dict[str, Any] = {
                 "index": c.index, "delta": delta,
                 "finish_reason": finish_reason, "logprobs": logprobs,
@@ -171,7 +171,7 @@ class ChatChunks:
             }
             if body.return_token_ids:
                 fields["token_ids"] = list(c.token_ids)
-            chunks.append(self._chunk(ChunkChoice.model_construct(**fields), c.index))
+            chunks.append(self._chunk(construct(ChunkChoice, **fields), c.index))
         return chunks
 
     def _parsed_delta(self, c: CompletionOutput) -> tuple[ChoiceDelta | None, str | None]:
@@ -189,7 +189,7 @@ class ChatChunks:
             fields["content"] = content
         if deltas:
             fields["tool_calls"] = _delta_tool_calls(deltas)
-        return (ChoiceDelta.model_construct(**fields) if fields else None), finish_reason
+        return (construct(ChoiceDelta, **fields) if fields else None), finish_reason
 
     def total_usage(self) -> CompletionUsage:
         done = sum(self.tokens.values())

@@ -16,7 +16,7 @@ from openai.types.completion_choice import Logprobs as CompletionLogprobs
 
 from cluster.outputs import CompletionOutput, RequestOutput
 from deploy.openai.protocol import CompletionRequest
-from deploy.openai.responses import TokenText, finite_logprob, prompt_logprobs_json, usage
+from deploy.openai.responses import TokenText, construct, finite_logprob, prompt_logprobs_json, usage
 
 
 def completion_logprobs(
@@ -45,7 +45,7 @@ def completion_logprobs(
             tops.append(None)
         offsets.append(offset)
         offset += len(shown)
-    return CompletionLogprobs.model_construct(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+    return construct(CompletionLogprobs, tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
 
 class CompletionChoices:
@@ -99,7 +99,7 @@ class CompletionChoices:
             if index not in self.sent_prompt_ids:
                 self.sent_prompt_ids.add(index)
                 fields["prompt_token_ids"] = list(out.prompt_token_ids)
-        return CompletionChoice.model_construct(**fields)
+        return construct(CompletionChoice, **fields)
 
     def usage_of(self, prompt_index: int, index: int) -> CompletionUsage:
         prompt, done = self.prompt_tokens.get(prompt_index, 0), self.tokens.get(index, 0)
@@ -112,7 +112,7 @@ class CompletionChoices:
 
 def completion_response(rid: str, model: str, outputs: list[RequestOutput], builder: CompletionChoices) -> Completion:
     choices = [builder.choice(i, out, c) for i, out in enumerate(outputs) for c in out.outputs]
-    return Completion.model_construct(
+    return construct(Completion,
         id=rid, object="text_completion", created=int(time.time()), model=model,
         choices=choices, usage=usage(outputs),
     )
@@ -124,7 +124,7 @@ def completion_chunks(rid: str, model: str, created: int, prompt_index: int, out
     chunks = []
     for c in out.outputs:
         choice = builder.choice(prompt_index, out, c)
-        chunk = Completion.model_construct(id=rid, object="text_completion", created=created, model=model,
+        chunk = construct(Completion, id=rid, object="text_completion", created=created, model=model,
                                            choices=[choice])
         if continuous_usage:
             chunk.usage = builder.usage_of(prompt_index, choice.index)

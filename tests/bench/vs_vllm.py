@@ -46,10 +46,11 @@ so both make exactly the tokens asked for):
             concurrency)) requests per level, fresh prompts per level. Figures:
             output tok/s, TTFT p50/p99, TPOT p50, ITL p50/p99 (gaps between
             streamed tokens), goodput (requests/s within ``--slo-ttft`` and
-            ``--slo-tpot``). Each level also prints where its first tokens' time
-            went: for ours per segment of the path (``--request-timeline``, joined
-            with the client's send and first-byte times), for both from their
-            ``/metrics`` histograms. ``--pairs N`` runs the two servers N times,
+            ``--slo-tpot``). Each level's per-request records (send time, TTFT,
+            gaps) are saved in the logs folder (``<server log>-c<level>-records.json``),
+            and each level prints where its first tokens' time went: for ours per
+            segment of the path (``--request-timeline``, joined with the client's send
+            and first-byte times), for both from their ``/metrics`` histograms. ``--pairs N`` runs the two servers N times,
             alternating; the table gives medians and the ratios' spread.
   prefix    on the same servers: 64 chat-like requests (the chat template rendered to
             token ids) sharing one ~400-token system prompt with short distinct user
@@ -90,6 +91,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes.util
+import dataclasses
 import json
 import math
 import os
@@ -501,6 +503,13 @@ def launched(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm
             stop_group(proc, seen + _tree(proc))  # with what it started since it was ready
 
 
+def save_records(path: Path, res: Any) -> None:
+    """One level's per-request records (send time, TTFT, gaps, tokens), for
+    looking at a run's arrivals and first tokens afterwards."""
+    with contextlib.suppress(OSError):
+        path.write_text(json.dumps([dataclasses.asdict(r) for r in res.records]))
+
+
 def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, warm: list[LoadRequest],
                levels: dict[int, list[LoadRequest]], prefix: tuple[list[LoadRequest], int] | None,
                ready_timeout_s: float, timeline: Path | None = None) -> Served:
@@ -524,6 +533,7 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                 time.sleep(1.5)  # ours: the replicas push their metrics every second
                 after = scrape(base)
                 out.levels[c] = from_load(res)
+                save_records(log.parent / f"{log.stem}-c{c}-records.json", res)
                 if out.levels[c].error:
                     print(f"    {out.levels[c].error}", flush=True)
                 f = out.levels[c]
