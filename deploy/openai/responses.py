@@ -21,6 +21,7 @@ MIN_LOGPROB = -9999.0
 
 
 M = TypeVar("M", bound=pydantic.BaseModel)
+_model_construct = pydantic.BaseModel.model_construct.__func__
 
 
 def construct(model: type[M], /, **fields: Any) -> M:
@@ -30,9 +31,6 @@ def construct(model: type[M], /, **fields: Any) -> M:
     against ~6); the values here are already of their types, so both dump the same
     JSON."""
     return _model_construct(model, **fields)
-
-
-_model_construct = pydantic.BaseModel.model_construct.__func__
 
 
 def new_id(prefix: str, request_id: str | None = None) -> str:

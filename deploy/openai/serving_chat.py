@@ -55,9 +55,11 @@ def chat_logprobs(c: CompletionOutput, top: int, text: TokenText) -> ChoiceLogpr
 
 
 def _message_tool_calls(calls: list[ToolCall]) -> list[ChatCompletionMessageFunctionToolCall]:
-    return [construct(ChatCompletionMessageFunctionToolCall,
-        id=c.id, type="function", function=construct(CalledToolFunction, name=c.name, arguments=c.arguments))
-        for c in calls]
+    return [
+        construct(ChatCompletionMessageFunctionToolCall, id=c.id, type="function",
+                  function=construct(CalledToolFunction, name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
 
 
 def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[ChoiceDeltaToolCall]:
@@ -103,8 +105,8 @@ def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletion
         if body.return_token_ids:
             fields["token_ids"] = list(c.token_ids)
         choices.append(construct(ChatChoice, **fields))
-    response = construct(ChatCompletion,
-        id=rid, object="chat.completion", created=int(time.time()), model=model,
+    response = construct(
+        ChatCompletion, id=rid, object="chat.completion", created=int(time.time()), model=model,
         choices=choices, usage=usage([out]), prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
     if body.return_token_ids:
@@ -128,8 +130,8 @@ class ChatChunks:
         _, self.continuous = body.usage_options()
 
     def _chunk(self, choice: ChunkChoice, index: int, **extra: Any) -> ChatCompletionChunk:
-        chunk = construct(ChatCompletionChunk,
-            id=self.rid, object="chat.completion.chunk", created=self.created, model=self.model,
+        chunk = construct(
+            ChatCompletionChunk, id=self.rid, object="chat.completion.chunk", created=self.created, model=self.model,
             choices=[choice], **extra,
         )
         if self.continuous:

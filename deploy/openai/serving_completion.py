@@ -112,8 +112,8 @@ class CompletionChoices:
 
 def completion_response(rid: str, model: str, outputs: list[RequestOutput], builder: CompletionChoices) -> Completion:
     choices = [builder.choice(i, out, c) for i, out in enumerate(outputs) for c in out.outputs]
-    return construct(Completion,
-        id=rid, object="text_completion", created=int(time.time()), model=model,
+    return construct(
+        Completion, id=rid, object="text_completion", created=int(time.time()), model=model,
         choices=choices, usage=usage(outputs),
     )
 
