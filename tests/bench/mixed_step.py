@@ -59,7 +59,7 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 class Side:
-    """One engine driven step by step: ``add``, ``step`` (the ids and token counts of
+    """One engine driven step by step: ``add(rid, ids, max_tokens)``, ``step`` (the ids and token counts of
     the outputs it returned), ``abort``, ``busy``."""
 
     def __init__(self, side: str, model: str) -> None:
@@ -68,8 +68,10 @@ class Side:
 
             llm = LLM(model=model, dtype="float32", seed=0, **SETTINGS)
             self.engine = llm.llm_engine
-            self._params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
-            self._add = lambda rid, ids, n: self.engine.add_request(rid, {"prompt_token_ids": ids}, self._params(n))
+
+            def add(rid: str, ids: list[int], n: int) -> None:
+                params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
+                self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
         else:
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             sys.path.insert(0, root)
@@ -86,10 +88,7 @@ class Side:
                                         output_kind=RequestOutputKind.CUMULATIVE)
                 self.engine.enqueue(self.engine.make_request(rid, {"prompt_token_ids": ids}, params))
 
-            self._add = add
-
-    def add(self, rid: str, ids: list[int], n: int) -> None:
-        self._add(rid, ids, n)
+        self.add = add
 
     def step(self) -> list[tuple[str, int]]:
         return [(o.request_id, len(o.outputs[0].token_ids)) for o in self.engine.step()]

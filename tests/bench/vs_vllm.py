@@ -50,8 +50,9 @@ so both make exactly the tokens asked for):
             gaps) are saved in the logs folder (``<server log>-c<level>-records.json``),
             and each level prints where its first tokens' time went: for ours per
             segment of the path (``--request-timeline``, joined with the client's send
-            and first-byte times), for both from their ``/metrics`` histograms. ``--pairs N`` runs the two servers N times,
-            alternating; the table gives medians and the ratios' spread.
+            and first-byte times), for both from their ``/metrics`` histograms.
+            ``--pairs N`` runs the two servers N times, alternating; the table gives
+            medians and the ratios' spread.
   prefix    on the same servers: 64 chat-like requests (the chat template rendered to
             token ids) sharing one ~400-token system prompt with short distinct user
             turns (8-32 tokens), ``max_tokens`` 64, closed loop at 8, prefix caching on
