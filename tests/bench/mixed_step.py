@@ -59,8 +59,8 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 class Side:
-    """One engine driven step by step: ``add(rid, ids, max_tokens)``, ``step`` (the ids and token counts of
-    the outputs it returned), ``abort``, ``busy``."""
+    """One engine driven step by step: ``add(rid, ids, max_tokens)``, ``step`` (the
+    ids and token counts of the outputs it returned), ``abort``, ``busy``."""
 
     def __init__(self, side: str, model: str) -> None:
         if side == "vllm":
