@@ -22,6 +22,13 @@ Per request:
 Run: output tokens of all requests / wall seconds from the first send to the last
 answer.
 
+The client checks itself too: a client that cannot read its sockets makes every stream
+look stalled at once, whichever server it measures. ``LoadResult.client`` has the
+longest time its event loop was held up (a 10 ms ticker's overshoot) and, on Linux, how
+long its thread waited for a CPU while runnable (``/proc/self/task/<tid>/schedstat``'s
+run delay). On a small machine shared with the server these are what tell a server's
+stall from a starved client.
+
     from _load_generator import LoadRequest, run_load
     res = run_load("http://127.0.0.1:8000", "SmolLM2-135M-Instruct",
                    [LoadRequest([1, 2, 3], 128)] * 16, concurrency=8)
@@ -35,6 +42,7 @@ import json
 import math
 import statistics
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -65,10 +73,48 @@ class RequestRecord:
 
 
 @dataclass
+class ClientHealth:
+    """How the load generator itself fared during a run: ``max_lag_s`` the longest
+    hold-up of its event loop, ``lags_over_250ms`` how many hold-ups passed 250 ms, and
+    ``run_delay_s`` the seconds its thread waited runnable for a CPU (NaN where the
+    kernel does not say)."""
+
+    max_lag_s: float = 0.0
+    lags_over_250ms: int = 0
+    run_delay_s: float = math.nan
+
+    def summary(self) -> str:
+        return (f"client: event loop held up {self.max_lag_s * 1e3:.0f} ms at most ({self.lags_over_250ms} over 250 ms), "
+                f"waited {self.run_delay_s:.1f} s for a CPU")
+
+
+def thread_run_delay() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux's
+    schedstat); NaN where that is not available."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+async def _watch_loop(health: ClientHealth, tick_s: float = 0.01) -> None:
+    """Records in ``health`` how late a ``tick_s`` sleep wakes, until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(tick_s)
+        lag = loop.time() - t - tick_s
+        health.max_lag_s = max(health.max_lag_s, lag)
+        health.lags_over_250ms += lag > 0.25
+
+
+@dataclass
 class LoadResult:
     concurrency: int
     wall: float
     records: list[RequestRecord]
+    client: ClientHealth = field(default_factory=ClientHealth)
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -192,10 +238,17 @@ async def _closed_loop(base_url: str, model: str, reqs: list[LoadRequest], concu
                     return
                 records[i] = await stream_completion(client, base_url, model, req, extra)
 
+        health = ClientHealth()
+        watcher = asyncio.ensure_future(_watch_loop(health))
+        delay0 = thread_run_delay()
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(reqs)))))
+        try:
+            await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(reqs)))))
+        finally:
+            watcher.cancel()
         wall = time.perf_counter() - start
-    return LoadResult(concurrency, wall, [r for r in records if r is not None])
+        health.run_delay_s = thread_run_delay() - delay0
+    return LoadResult(concurrency, wall, [r for r in records if r is not None], health)
 
 
 def run_load(base_url: str, model: str, reqs: list[LoadRequest], concurrency: int, *,

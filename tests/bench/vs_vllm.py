@@ -50,7 +50,10 @@ so both make exactly the tokens asked for):
             gaps) are saved in the logs folder (``<server log>-c<level>-records.json``),
             and each level prints where its first tokens' time went: for ours per
             segment of the path (``--request-timeline``, joined with the client's send
-            and first-byte times), for both from their ``/metrics`` histograms.
+            and first-byte times), for both from their ``/metrics`` histograms. Each
+            level also prints how the load generator fared (its event loop's longest
+            hold-up, its seconds waiting for a CPU): a starved client stalls every
+            stream at once.
             ``--pairs N`` runs the two servers N times, alternating; the table gives
             medians and the ratios' spread.
   prefix    on the same servers: 64 chat-like requests (the chat template rendered to
@@ -541,6 +544,7 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                 print(f"    {f.tps:.1f} tok/s, TTFT p50 {percentile(f.ttft, 50):.2f} s p99 {percentile(f.ttft, 99):.2f} s, "
                       f"ITL p50 {percentile(f.itl, 50) * 1e3:.1f} ms p99 {percentile(f.itl, 99) * 1e3:.0f} ms, "
                       f"TPOT p50 {percentile(f.tpot, 50) * 1e3:.1f} ms, goodput {f.goodput:.2f} req/s", flush=True)
+                print(f"    {res.client.summary()}", flush=True)
                 segs = segments(res.records, read_lines(timeline)) if timeline is not None else None
                 print_breakdown(label, c, segs, engine_view(before, after))
             if prefix is not None:
