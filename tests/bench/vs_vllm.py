@@ -167,6 +167,16 @@ def find_peer() -> str | None:
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
+def autogroup_enabled() -> bool:
+    """Whether Linux's autogroup scheduling is on: CPU time is then shared between
+    sessions first, and only within a session by niceness."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
 def cpu_list(cpus: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax)."""
     parts: list[str] = []
@@ -750,6 +760,11 @@ def main() -> None:
           f"max_model_len {MAX_MODEL_LEN}, prefix caching on, KV {KV_GIB} GiB; vLLM env "
           f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
           f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} LD_PRELOAD={env.get('LD_PRELOAD', '')}", flush=True)
+    if "served" in args.phases and autogroup_enabled():
+        print("note: the kernel's autogroup scheduling is on (/proc/sys/kernel/sched_autogroup_enabled): each "
+              "server runs in a session of its own, and beside ours a load generator on the same cores waits "
+              "for a CPU for seconds (see each level's 'client:' line); echo 0 > that file to measure the "
+              "servers rather than the scheduler", flush=True)
 
     table = Table()
     peer_version = None
