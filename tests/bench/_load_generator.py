@@ -106,7 +106,8 @@ async def _watch_loop(health: ClientHealth, tick_s: float = 0.01) -> None:
         await asyncio.sleep(tick_s)
         lag = loop.time() - t - tick_s
         health.max_lag_s = max(health.max_lag_s, lag)
-        health.lags_over_250ms += lag > 0.25
+        if lag > 0.25:
+            health.lags_over_250ms += 1
 
 
 @dataclass
