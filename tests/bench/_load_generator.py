@@ -84,8 +84,8 @@ class ClientHealth:
     run_delay_s: float = math.nan
 
     def summary(self) -> str:
-        return (f"client: event loop held up {self.max_lag_s * 1e3:.0f} ms at most ({self.lags_over_250ms} over 250 ms), "
-                f"waited {self.run_delay_s:.1f} s for a CPU")
+        return (f"client: event loop held up {self.max_lag_s * 1e3:.0f} ms at most "
+                f"({self.lags_over_250ms} over 250 ms), waited {self.run_delay_s:.1f} s for a CPU")
 
 
 def thread_run_delay() -> float:

@@ -199,6 +199,8 @@ def main() -> None:
     out_dir = Path(tempfile.mkdtemp(prefix="vllm_bench_serve-"))
     print(f"vllm bench serve against both: machine {cpu_model()}, {len(os.sched_getaffinity(0))} CPUs, load {load:.1f}; "
           f"{len(plan)} scenarios x {args.pairs} pairs; results {out_dir}", flush=True)
+    if vs.autogroup_enabled():
+        print(vs.AUTOGROUP_NOTE, flush=True)
     ours_env = {**os.environ, "PYTHONPATH": str(vs.ROOT)}
     ours: list[Run] = []
     peer: list[Run] = []
@@ -216,7 +218,8 @@ def main() -> None:
              f"ignore_eos, temperature 0; closed loop {args.prompts_per_stream} requests per stream (at least "
              f"{args.min_prompts}); open loop {args.open_prompts} Poisson requests per rate; goodput SLO TTFT <= "
              f"{args.slo_ttft:g} s, TPOT <= {args.slo_tpot * 1e3:g} ms; {args.pairs} alternating pairs, medians",
-             f"1-minute load average at the start: {load:.1f}"]
+             f"1-minute load average at the start: {load:.1f}; autogroup scheduling "
+             f"{'on' if vs.autogroup_enabled() else 'off'}"]
     notes += [f"ours run {i + 1}: {r.error}" for i, r in enumerate(ours) if r.error]
     notes += [f"vLLM run {i + 1}: {r.error}" for i, r in enumerate(peer) if r.error]
     print("\nnotes:\n" + "\n".join(f"  {n}" for n in notes))

@@ -177,6 +177,13 @@ def autogroup_enabled() -> bool:
         return False
 
 
+#: printed by the served benchmarks when :func:`autogroup_enabled`
+AUTOGROUP_NOTE = ("note: the kernel's autogroup scheduling is on (/proc/sys/kernel/sched_autogroup_enabled): "
+                  "each server runs in a session of its own, and beside ours a load generator on the same cores "
+                  "waits for a CPU for seconds (vs_vllm.py prints its wait with each level); echo 0 > that file "
+                  "to measure the servers rather than the scheduler")
+
+
 def cpu_list(cpus: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax)."""
     parts: list[str] = []
@@ -761,10 +768,7 @@ def main() -> None:
           f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
           f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} LD_PRELOAD={env.get('LD_PRELOAD', '')}", flush=True)
     if "served" in args.phases and autogroup_enabled():
-        print("note: the kernel's autogroup scheduling is on (/proc/sys/kernel/sched_autogroup_enabled): each "
-              "server runs in a session of its own, and beside ours a load generator on the same cores waits "
-              "for a CPU for seconds (see each level's 'client:' line); echo 0 > that file to measure the "
-              "servers rather than the scheduler", flush=True)
+        print(AUTOGROUP_NOTE, flush=True)
 
     table = Table()
     peer_version = None
