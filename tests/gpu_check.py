@@ -10,7 +10,7 @@ checkout. Stages, in this order (``--only STAGE`` runs one alone):
           and the GPU's name, and a Ray start with one GPU task;
   tests   ``pytest -m cuda -q`` over the test files that mark a test ``cuda`` (junit XML
           kept), a per-test timeout where pytest-timeout is installed, the whole bounded;
-  bench   ``tests/bench/gpu.py --quick`` where that file exists.
+  bench   ``tests/bench/gpu.py --quick --profile`` where that file exists.
 
 Every stage but the static check needs the bundle installed: after the install the script
 re-executes itself with PYTHONPATH = <the target>:<repo root>. The whole default run is
@@ -365,7 +365,7 @@ class Check:
         if budget < 20:
             self.summary.add("bench", "skip", 0.0, f"no time left ({self.left():.0f} s of the budget)")
             return
-        rc, secs, text = tee([sys.executable, str(BENCH.relative_to(REPO)), "--quick"],
+        rc, secs, text = tee([sys.executable, str(BENCH.relative_to(REPO)), "--quick", "--profile"],
                              self.out / "bench.log", budget, self.env())
         tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or [""]
         self.summary.add("bench", "pass" if rc == 0 else ("timeout" if rc is None else "fail"), secs,

@@ -116,9 +116,11 @@ def ours(path: str, reqs_by_name: dict[str, list[e2e.Req]], kv_tokens: int, max_
         llm.shutdown()
 
 
-def decode_step(path: str, rows: int, context: int, steps: int, device: str = "cuda", **config: Any) -> float:
+def decode_step(path: str, rows: int, context: int, steps: int, device: str = "cuda", profile: bool = False,
+                **config: Any) -> float:
     """Median seconds of a decode step at ``rows`` rows ``context`` tokens deep (the
-    in-process worker, its step as the engine sends it)."""
+    in-process worker, its step as the engine sends it); ``profile``: the torch profiler
+    over five more decode steps, its summary printed (``where_the_time_goes``)."""
     from helpers import make_worker
     from sampler.params import SamplingParams
     from worker_driver import MiniDriver
@@ -129,7 +131,7 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     for i in range(rows):
-        d.submit(f"r{i}", torch.randint(1, 30000, (context,), generator=g).tolist(), params)
+        d.submit(f"r{i}", torch.randint(1, min(30000, w._runner.loaded.vocab_size), (context,), generator=g).tolist(), params)
     times = []
     while d.waiting or d.rows:
         decoding = bool(d.rows) and not d.waiting and all(r.computed >= len(r.prompt) for r in d.rows)
@@ -139,6 +141,10 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
             times.append(time.perf_counter() - t0)
         if d.rows and all(r.done() for r in d.rows) and not d.waiting:
             break
+        if profile and len(times) == steps - 16:
+            d.step_fn = w._step  # the worker's step on this thread, where the profilers look
+            where_the_time_goes(d.step, 5)
+            d.step_fn = w.step
     del w
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -151,6 +157,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="skip ours with cuda_graphs")
+    ap.add_argument("--profile", action="store_true", help="the torch profiler over each decode-step variant")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA here: this benchmark needs a GPU")
@@ -220,7 +227,7 @@ def main() -> None:
     for label, config in (("gather + SDPA", {"flex_attention": False}), ("FlexAttention", {}),
                           ("FlexAttention + CUDA graphs", {"cuda_graphs": True})):
         try:
-            steps[label] = decode_step(path, 64, 512, 40, **config)
+            steps[label] = decode_step(path, 64, 512, 40, profile=args.profile, **config)
         except Exception as exc:  # noqa: BLE001
             print(f"  decode step with {label} failed: {type(exc).__name__}: {exc}")
 
@@ -264,6 +271,46 @@ def main() -> None:
     emit("gpu", rows, notes=[f"{name}; random Llama ~1B bf16; {n} requests", "cb: transformers' continuous "
                              f"batching manager, per-request max_new_tokens, 64 rows, {STEP_TOKENS}-token budget, KV for the "
                              "workload; static: generate, left-padded batches of 16"])
+
+
+def where_the_time_goes(step: Any, n: int) -> None:
+    """The torch profiler over ``n`` calls of ``step``: per step, the wall time, the GPU's
+    busy time (kernels and copies), the biggest kernels and the host's biggest ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        wall = (time.perf_counter() - t0) / n
+    events = prof.key_averages()
+    on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in on_gpu) / n
+    print(f"  profile of {n} steps: wall {wall * 1e3:.2f} ms per step, GPU busy {gpu_us / 1e3:.2f} ms "
+          f"({gpu_us / 1e3 / (wall * 1e3):.0%}); {sum(e.count for e in on_gpu) / n:.0f} kernels and copies per step")
+    print("  biggest on the GPU (ms per step, share of its busy time, calls per step):")
+    for e in sorted(on_gpu, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"    {e.self_device_time_total / n / 1e3:7.3f}  {e.self_device_time_total / n / max(gpu_us, 1e-9):5.1%}"
+              f"  {e.count / n:5.0f}  {e.key[:110]}")
+    on_host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    print("  biggest torch ops on the host (self ms per step, calls per step):")
+    for e in sorted(on_host, key=lambda e: -e.self_cpu_time_total)[:12]:
+        print(f"    {e.self_cpu_time_total / n / 1e3:7.3f}  {e.count / n:5.0f}  {e.key[:110]}")
+    # The host's Python (the plan in numpy, the sampler, the reply) over n more steps.
+    import cProfile
+    import pstats
+
+    py = cProfile.Profile()
+    py.runcall(lambda: [step() for _ in range(n)])
+    stats = pstats.Stats(py)
+    print(f"  the host's Python, {n} more steps, {stats.total_tt / n * 1e3:.2f} ms per step under cProfile; "
+          "biggest by own time (ms per step, calls per step):")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:14]
+    for (file, line, func), (_, calls, own, _, _) in rows:
+        print(f"    {own / n * 1e3:7.3f}  {calls / n:6.0f}  {func} ({os.path.basename(file)}:{line})")
 
 
 def _weight_bytes(path: str) -> int:

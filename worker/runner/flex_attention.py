@@ -4,18 +4,20 @@ The KV pool of a layer, ``[num_blocks, kv_heads, block_size, head_dim]``, is vie
 without a copy as one long key sequence of a single "head", ``[1, 1, num_blocks *
 kv_heads * block_size, head_dim]``: tile ``t = block * kv_heads + head`` holds that
 block's keys of that KV head, ``block_size`` rows. Each attention call runs over rows of
-the step as a batch (queries ``[rows, heads, longest query, head_dim]``, gathered from
-the step's packed queries), with
+the step as a batch, a KV head's query heads folded into its query sequence (queries
+``[rows, kv_heads, longest query x group, head_dim]``, gathered from the step's packed
+queries; folded query ``i`` is query ``i // group`` of query head ``kv_head x group + i %
+group``), so that a decode step reads each tile of the pool once, not once per query
+head of its group, and a decode row's one query per head fills a query tile with its
+group instead of padding. Each call has
 
-- a block mask that lists, for every row, query head and query tile, exactly the pool
-  tiles it needs (its own blocks up to its last query's position, of the query head's
-  KV head), so the kernel reads nothing else: decode rows visit their own blocks only,
+- a block mask that lists, for every row, KV head and query tile, exactly the pool
+  tiles it needs (its own blocks up to its last query's position, of that KV head), so the kernel reads nothing else: decode rows visit their own blocks only,
   a prefill chunk's early query tiles skip the blocks after them; blocks that every
   query of a tile sees whole are "full" (no mask evaluated);
 - a mask function that says, for one (row, query head, query, key), whether the key is
   visible: it belongs to the row (``tables[row, logical] == block``, with ``logical`` the
-  block's position in its row's table, ``block_logical[block]``), to the query head's KV
-  head, lies at or before the query's position (causal) and inside the sliding window.
+  block's position in its row's table, ``block_logical[block]``), to the KV head, lies at or before the query's position (causal) and inside the sliding window.
   FlexAttention requires the mask function to be exact on its own (its eager path and
   the partial tiles use it; the block mask only skips work).
 
@@ -144,40 +146,41 @@ class FlexPagedAttention:
         starts = plan.starts[which]
         q_start = num_computed[which]  # position of each row's first query
         q_len = num_tokens[which]
+        folded = q_len * group  # queries per (row, KV head): its query heads folded in
         table = tables[which]
         b, longest = len(q_len), int(q_len.max())
-        q_tile = min(q_tile, _tile_for(longest))
-        tiles = -(-longest // q_tile)
-        # Per (row, query tile): the row's blocks up to its last query there (needed), of
-        # which the first ``full`` every query of the tile sees whole.
-        first_q = np.arange(tiles)[None, :] * q_tile  # [1, tiles]
-        last_q = np.minimum(first_q + q_tile, q_len[:, None]) - 1
-        live = first_q < q_len[:, None]
-        needed = np.where(live, (q_start[:, None] + last_q) // bs + 1, 0)
-        full = np.where(live, (q_start[:, None] + first_q + 1) // bs, 0)
+        q_tile = min(q_tile, _tile_for(longest * group))
+        tiles = -(-longest * group // q_tile)
+        # Per (row, query tile): the row's blocks up to the last query position there
+        # (needed), of which the first ``full`` every query of the tile sees whole.
+        first_q = np.arange(tiles)[None, :] * q_tile  # [1, tiles], folded
+        last_pos = (np.minimum(first_q + q_tile, folded[:, None]) - 1) // group
+        live = first_q < folded[:, None]
+        needed = np.where(live, (q_start[:, None] + last_pos) // bs + 1, 0)
+        full = np.where(live, (q_start[:, None] + first_q // group + 1) // bs, 0)
         width = table.shape[1]
         pool_tiles = cache.keys[0].shape[0] * kv_heads
-        # Tile ids per query head: block * kv_heads + the head's KV head.
-        head_kv = (np.arange(self.num_heads) // group)[None, :, None, None]
+        # Tile ids per KV head: block * kv_heads + head.
+        head_kv = np.arange(kv_heads)[None, :, None, None]
         partial_ids = np.take_along_axis(table, np.minimum(full[:, :, None] + np.arange(width)[None, None, :], width - 1)
                                          .reshape(b, -1), axis=1).reshape(b, 1, tiles, width)
         partial = partial_ids * kv_heads + head_kv
         full_ids = table[:, None, None, :] * kv_heads + head_kv
-        kv_num = np.broadcast_to((needed - full)[:, None, :], (b, self.num_heads, tiles))
-        full_num = np.broadcast_to(full[:, None, :], (b, self.num_heads, tiles))
-        full_ids = np.broadcast_to(full_ids, (b, self.num_heads, tiles, width))
+        kv_num = np.broadcast_to((needed - full)[:, None, :], (b, kv_heads, tiles))
+        full_num = np.broadcast_to(full[:, None, :], (b, kv_heads, tiles))
+        full_ids = np.broadcast_to(full_ids, (b, kv_heads, tiles, width))
         if device.type != "cuda":
             # CPU kernels (eager and compiled) read the index lists as wide as the key
             # sequence's tiles: pad with tiles never listed.
             pad = pool_tiles - width
-            partial = np.concatenate([partial, np.zeros((b, self.num_heads, tiles, pad), np.int64)], axis=-1)
-            full_ids = np.concatenate([full_ids, np.zeros((b, self.num_heads, tiles, pad), np.int64)], axis=-1)
+            partial = np.concatenate([partial, np.zeros((b, kv_heads, tiles, pad), np.int64)], axis=-1)
+            full_ids = np.concatenate([full_ids, np.zeros((b, kv_heads, tiles, pad), np.int64)], axis=-1)
         as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-        mask_inputs = (as_int(table), as_int(q_start), as_int(q_len))
+        mask_inputs = (as_int(table), as_int(q_start), as_int(folded))
         mask_mod = self._mask_mod(*mask_inputs, bs)
         block_mask = BlockMask.from_kv_blocks(
             as_int(kv_num), as_int(partial), as_int(full_num), as_int(full_ids), BLOCK_SIZE=(q_tile, bs),
-            mask_mod=mask_mod, seq_lengths=(longest, pool_tiles * bs), compute_q_blocks=False,
+            mask_mod=mask_mod, seq_lengths=(longest * group, pool_tiles * bs), compute_q_blocks=False,
         )
         qi = np.arange(longest)
         valid = qi[None, :] < q_len[:, None]
@@ -186,7 +189,7 @@ class FlexPagedAttention:
         return FlexCall(index=torch.from_numpy(index).to(device), scatter=torch.from_numpy(scatter).to(device),
                         block_mask=block_mask, mask_inputs=mask_inputs)
 
-    def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, bs: int):
+    def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, folded: torch.Tensor, bs: int):
         block_logical = self._block_logical
         kv_heads, group = self.num_kv_heads, self.group
 
@@ -196,7 +199,7 @@ class FlexPagedAttention:
             logical = block_logical[block]
             member = (logical >= 0) & (table[b, logical.clamp(0, table.shape[1] - 1)] == block)
             pos = logical * bs + kv_idx % bs
-            return member & (tile % kv_heads == h // group) & (q_idx < q_len[b]) & (pos <= q_start[b] + q_idx)
+            return member & (tile % kv_heads == h) & (q_idx < folded[b]) & (pos <= q_start[b] + q_idx // group)
 
         return mask_mod
 
@@ -218,14 +221,18 @@ class FlexPagedAttention:
         out = q_all.new_empty(total + 1, *q_all.shape[1:])  # row ``total``: where padding lands
         for call in step.calls:
             b, length = call.index.shape
-            q = q_all[call.index].permute(0, 2, 1, 3).to(k.dtype)  # [B, heads, L, dim]
+            kv_heads, group = self.num_kv_heads, self.group
+            # [B, L, heads, dim] -> [B, kv_heads, L x group, dim]: a KV head's query heads folded in
+            q = (q_all[call.index].view(b, length, kv_heads, group, dim).permute(0, 2, 1, 3, 4)
+                 .reshape(b, kv_heads, length * group, dim).to(k.dtype))
             # On CUDA the kernel's tiles are the block mask's (its tiles must divide them),
             # and the general kernel serves short queries too (a block mask of pool tiles).
             options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": call.block_mask.BLOCK_SIZE[0],
                        "BLOCK_N": call.block_mask.BLOCK_SIZE[1]} if cuda else None
             o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True,
                      kernel_options=options)
-            out.index_copy_(0, call.scatter, o.permute(0, 2, 1, 3).reshape(b * length, *q_all.shape[1:]).to(out.dtype))
+            o = o.view(b, kv_heads, length, group, dim).permute(0, 2, 1, 3, 4).reshape(b * length, *q_all.shape[1:])
+            out.index_copy_(0, call.scatter, o.to(out.dtype))
         return out[:total]
 
 
