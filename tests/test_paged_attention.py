@@ -207,3 +207,28 @@ def test_a_thread_done_early_takes_a_slow_threads_items_from_the_back():
     assert len(stolen) >= 5, takers
     # What was taken over is the back of run 0: a suffix of it.
     assert stolen == list(range(20 - len(stolen), 20))
+
+
+def test_the_torch_path_takes_sdpa_outputs_in_any_layout(monkeypatch):
+    """CUDA's SDPA kernels return their output strided as ``[B, L, H, D]`` seen through
+    ``[B, H, L, D]``, where the CPU's is contiguous: the torch path must give the same
+    result either way (a ``view`` of that output failed on an H200 for a prefill chunk
+    after a cached prefix)."""
+    import torch.nn.functional as F
+
+    from helpers import random_paged_case
+    from worker.runner import attention
+
+    cache, rows, cached, lens, table, q = random_paged_case(3, [1, 3, 40, 1], 50, 2, 4, 32, 16, torch.float32, 1)
+    plan = AttentionPlan.build(cache, rows, cached, lens, table, torch.device("cpu"))
+    want = attend_cached(q, plan, 0, 0.125, None, None)
+    sdpa = F.scaled_dot_product_attention
+
+    def strided_like_cuda(*args, **kwargs):
+        o = sdpa(*args, **kwargs)
+        return o.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", strided_like_cuda)
+    got = attend_cached(q, AttentionPlan.build(cache, rows, cached, lens, table, torch.device("cpu")), 0, 0.125,
+                        None, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -163,7 +163,7 @@ def attend_cached(
             out[s : s + n] = o[0].transpose(0, 1).to(out.dtype)
             continue
         o = attend(q.to(k.dtype), k, v, visible(q_pos, chunk.kv_len, window), scale, softcap)
-        out[s : s + n] = o.view(heads, n, dim).transpose(0, 1).to(out.dtype)
+        out[s : s + n] = o.reshape(heads, n, dim).transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -191,7 +191,7 @@ def _batched_by_gathering(
     mask = mask.unsqueeze(1).repeat(1, 1, group, 1) if q_len > 1 or group == 1 else mask.unsqueeze(1).expand(b, 1, group, kv_len)
     mask = mask.reshape(b, 1, group * q_len, kv_len)
     o = attend(qq.to(k.dtype), k, v, mask, scale, softcap)
-    return o.view(b, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(b * q_len, heads, dim)
+    return o.reshape(b, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(b * q_len, heads, dim)
 
 
 def check_attention_features(config: object) -> None:
