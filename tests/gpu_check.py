@@ -8,8 +8,9 @@ checkout. Stages, in this order (``--only STAGE`` runs one alone):
           into a temporary target (pip --no-index --no-deps), then imports of ray, msgspec,
           llguidance, cluster, worker, sampler with their versions, torch.cuda.is_available()
           and the GPU's name, and a Ray start with one GPU task;
-  tests   ``pytest -m cuda -q`` over the test files that mark a test ``cuda`` (junit XML
-          kept), a per-test timeout where pytest-timeout is installed, the whole bounded;
+  tests   ``pytest -m cuda -v`` over the test files that mark a test ``cuda`` (junit XML
+          kept; each failure's traceback printed as it happens), a per-test timeout
+          where pytest-timeout is installed, the whole bounded;
   bench   ``tests/bench/gpu.py --quick --profile`` where that file exists.
 
 Every stage but the static check needs the bundle installed: after the install the script
@@ -342,13 +343,15 @@ class Check:
             self.summary.add("tests", "skip", 0.0, f"no time left ({self.left():.0f} s of the budget)")
             return
         junit = self.out / "tests-junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", "--continue-on-collection-errors"]
+        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "--tb=short", "-p", "no:cacheprovider",
+               "-p", "report_at_once", f"--junitxml={junit}", "--continue-on-collection-errors"]
         import importlib.util
 
         if importlib.util.find_spec("pytest_timeout") is not None:
             cmd.append(f"--timeout={self.args.per_test_timeout}")
-        rc, secs, text = tee(cmd + files, self.out / "tests.log", budget, self.env())
+        env = self.env()  # tests/gpu on the path: its report_at_once plugin
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO / "tests" / "gpu")])
+        rc, secs, text = tee(cmd + files, self.out / "tests.log", budget, env)
         counts = junit_counts(junit)
         detail = (", ".join(f"{v} {k}" for k, v in counts.items()) if counts else "no junit") + \
             f"; {len(files)} file(s)"
