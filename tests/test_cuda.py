@@ -7,8 +7,8 @@ GPU machine; elsewhere they are collected and skipped with the reason).
   call to call (decodes, drafts, prefill chunks, shared prefixes, grouped heads, bf16);
 - the model runner on CUDA against transformers' greedy ``generate`` on the same GPU:
   exactly in float32 (the tiny model and a random-weight Llama of about 1B parameters,
-  up to a near-tie), and in bfloat16 where the two differ only at near-ties (each run's
-  token in the other's top 2, log-probabilities within 0.05);
+  up to a near-tie), and in bfloat16 as close to the float32 model as transformers'
+  own bf16 forward is (log-probabilities of each position's top 5, teacher forced);
 - CUDA graphs for decode steps against the eager forward;
 - ``LLM`` end to end with the worker actor on the GPU (one GPU through Ray): prefix
   caching, n > 1, logprobs, a JSON-schema constraint; a killed GPU worker replaced on the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 import os
 import signal
 import time
@@ -32,8 +33,8 @@ from sampler.params import SamplingParams
 pytestmark = pytest.mark.cuda
 
 VOCAB_TINY = 400
-#: log-probability slack of the bf16 near-tie rule
-BF16_NEAR_TIE = 0.05
+#: how much further from float32 ours in bf16 may be than transformers' own bf16 forward
+BF16_NOISE_FACTOR = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,10 @@ def llama_1b() -> str:
     return str(build_random_llama(folder))
 
 
-def _hf(path: str, dtype: torch.dtype):
+def _hf(path: str, dtype: torch.dtype, device: str = "cuda"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -71,23 +72,27 @@ def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tenso
 
 def _logprobs_along(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """The model's log-softmax at every position of ``continuation`` (teacher forced)."""
-    ids = torch.tensor([prompt + continuation], device="cuda")
+    ids = torch.tensor([prompt + continuation], device=model.device)
     with torch.inference_mode():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, -1)
 
 
-def _run_worker(path: str, prompts: list[list[int]], n: int, logprobs: int | None = None,
+def _run_worker(path: str, prompts: list[list[int]], n: int, logprobs: int | None = None, device: str = "cuda",
+                graphs_expected: bool | None = None,
                 **config) -> dict[str, list[int]] | dict[str, tuple[list[int], list]]:
     """Greedy tokens of each prompt from the in-process worker on CUDA (with
-    ``logprobs``: (tokens, per token (top ids, their logprobs, rank)))."""
+    ``logprobs``: (tokens, per token (top ids, their logprobs, rank)));
+    ``graphs_expected``: whether its decode steps must replay CUDA graphs."""
     from helpers import make_worker
     from worker_driver import MiniDriver
 
     config.setdefault("max_num_seqs", 8)
     config.setdefault("max_model_len", 512)
-    w = make_worker(path, device="cuda", **config)
-    assert w._runner.device.type == "cuda"
+    w = make_worker(path, device=device, **config)
+    assert w._runner.device.type == device
+    if graphs_expected is not None:
+        assert (w._runner.graphs is not None) == graphs_expected
     d = MiniDriver(w.step, max_rows=8, token_budget=256, chunk=64, num_blocks=w._runner.kv.num_blocks)
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
     for i, p in enumerate(prompts):
@@ -232,38 +237,61 @@ def test_the_runner_on_cuda_gives_transformers_greedy_tokens_1b_float32(llama_1b
     print(f"[1B float32] near-ties: {near} of {len(prompts)} prompts")
 
 
-def test_the_runner_in_bfloat16_agrees_with_transformers_up_to_near_ties(llama_1b):
-    """Where the two bf16 runs first differ, both tokens are a near-tie in both runs:
-    each run's logprob of the other's token within 0.05 of its own choice (a tie of two
-    is the top 2 of each; on an H100 one prompt met a tie of three, where the other's
-    token was third)."""
+def test_the_runner_in_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(llama_1b):
+    """bf16 differs from float32 by its rounding, whoever computes it: ours in bf16 must
+    stay as close to the float32 truth as transformers' own bf16 forward does."""
     prompts = _random_prompts(32000, [7, 100, 260, 33, 150, 12], seed=4)
     ours = _run_worker(llama_1b, prompts, 20, logprobs=5, dtype="bfloat16")
-    model = _hf(llama_1b, torch.bfloat16)
-    differ = 0
+    errors = bf16_errors(llama_1b, prompts, ours, "cuda")
+    print(f"[1B bfloat16] {errors}")
+    errors.check()
+
+
+@dataclass
+class Bf16Errors:
+    """Log-probability errors against the float32 model, over every generated position
+    and its top 5 tokens in ours (teacher forced along our tokens, so each position has
+    the context ours had): ours in bf16, and transformers' bf16 forward (the baseline:
+    the rounding bf16 brings on its own). ``regret``: how far below float32's best our
+    greedy token is, at most."""
+
+    ours: list[float]
+    theirs: list[float]
+    regret: float
+
+    def check(self) -> None:
+        ours, theirs = np.array(self.ours), np.array(self.theirs)
+        assert np.median(ours) <= BF16_NOISE_FACTOR * np.median(theirs), self
+        assert ours.max() <= BF16_NOISE_FACTOR * theirs.max(), self
+        assert self.regret <= BF16_NOISE_FACTOR * theirs.max(), self
+
+    def __str__(self) -> str:
+        ours, theirs = np.array(self.ours), np.array(self.theirs)
+        return (f"|logprob - float32| median / p99 / max: ours {np.median(ours):.4f} / {np.quantile(ours, 0.99):.4f} / "
+                f"{ours.max():.4f}, transformers bf16 {np.median(theirs):.4f} / {np.quantile(theirs, 0.99):.4f} / "
+                f"{theirs.max():.4f}; our greedy token at most {self.regret:.4f} below float32's best")
+
+
+def bf16_errors(path: str, prompts: list[list[int]], ours: dict, device: str) -> Bf16Errors:
+    exact, rounded = _hf(path, torch.float32, device), _hf(path, torch.bfloat16, device)
+    mine, theirs, regret = [], [], 0.0
     for i, p in enumerate(prompts):
         tokens, logprobs = ours[f"r{i}"]
-        ref, ref_lp = _hf_greedy(model, p, 20)
-        at = _first_difference(tokens, ref)
-        if at is None:
-            continue
-        differ += 1
-        a, b = tokens[at], ref[at]
-        ids, vals, _ = logprobs[at]  # ours: the sampled token first, then the top 5
-        mine = dict(zip(ids[1:], vals[1:]))
-        assert b in mine, f"prompt {i} token {at}: transformers' {b} not in our top 5 {list(mine)}"
-        assert mine[a] - mine[b] <= BF16_NEAR_TIE, f"prompt {i} token {at}: not a near-tie in ours"
-        theirs = float(ref_lp[at][b] - ref_lp[at][a])
-        assert theirs <= BF16_NEAR_TIE, f"prompt {i} token {at}: our {a} is {theirs:.3f} below transformers' {b}"
-    print(f"[1B bfloat16] prompts differing from transformers (all at near-ties): {differ} of {len(prompts)}")
+        lp32, lp16 = _logprobs_along(exact, p, tokens).cpu(), _logprobs_along(rounded, p, tokens).float().cpu()
+        for j, (ids, vals, _) in enumerate(logprobs):
+            top = torch.tensor(ids[1:])  # ours: the sampled token first, then the top 5
+            mine += (torch.tensor(vals[1:]) - lp32[j, top]).abs().tolist()
+            theirs += (lp16[j, top] - lp32[j, top]).abs().tolist()
+            regret = max(regret, float(lp32[j].max() - lp32[j, tokens[j]]))
+    return Bf16Errors(mine, theirs, regret)
 
 
 def test_cuda_graphs_equal_the_eager_forward(llama_1b):
-    """Decode steps replayed from CUDA graphs (buckets 1-8 as rows join and leave) give
-    the eager forward's tokens."""
+    """Decode steps replayed from CUDA graphs (buckets 1-8 as rows join and leave; the
+    default on CUDA) give the eager forward's tokens."""
     prompts = _random_prompts(32000, [7, 100, 33, 12, 60], seed=5)
-    eager = _run_worker(llama_1b, prompts, 24, dtype="bfloat16")
-    graphs = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", cuda_graphs=True)
+    eager = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", cuda_graphs=False, graphs_expected=False)
+    graphs = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", graphs_expected=True)
     assert graphs == eager
 
 

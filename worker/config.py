@@ -122,8 +122,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: row's blocks, then SDPA (the reference path)
     flex_attention: bool | None = None
     #: CUDA, with FlexAttention: replay decode steps (every row one token) from CUDA
-    #: graphs captured per batch-size bucket, instead of launching each kernel from Python
-    cuda_graphs: bool = False
+    #: graphs captured per batch-size bucket, instead of launching each kernel from
+    #: Python. None: on for CUDA workers; False: every step eager (vLLM's enforce_eager)
+    cuda_graphs: bool | None = None
     #: CPU: run linear layers with prepacked weights (faster; off: plain F.linear)
     cpu_packed_linear: bool = True
     #: CPU, float32: linear layers over weights packed in column panels, our own kernel

@@ -146,12 +146,14 @@ class ModelRunner:
     def _wants_graphs(self, config: WorkerConfig) -> bool:
         from worker.runner.flex_attention import FlexPagedAttention
 
-        return (config.cuda_graphs and self.backend.decoder is None and self.group is None
+        wanted = config.cuda_graphs if config.cuda_graphs is not None else self.device.type == "cuda"
+        return (wanted and self.backend.decoder is None and self.group is None
                 and isinstance(self.backend.attention_kernel, FlexPagedAttention))
 
     def _decode_graphs(self, config: WorkerConfig) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps (``cuda_graphs``; workers with FlexAttention; off
-        CUDA the same static inputs are refilled and run eagerly, which tests them)."""
+        """CUDA graphs for decode steps (``cuda_graphs``, on by default on CUDA; workers
+        with FlexAttention; off CUDA, asked for, the same static inputs are refilled and
+        run eagerly, which tests them)."""
         if not self._wants_graphs(config):
             if config.cuda_graphs:
                 logger.warning("cuda_graphs needs FlexAttention (flex_attention not False): decode steps run eagerly")
