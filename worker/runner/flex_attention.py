@@ -12,12 +12,14 @@ head of its group, and a decode row's one query per head fills a query tile with
 group instead of padding. Each call has
 
 - a block mask that lists, for every row, KV head and query tile, exactly the pool
-  tiles it needs (its own blocks up to its last query's position, of that KV head), so the kernel reads nothing else: decode rows visit their own blocks only,
+  tiles it needs (its own blocks up to its last query's position, of that KV head), so
+  the kernel reads nothing else: decode rows visit their own blocks only,
   a prefill chunk's early query tiles skip the blocks after them; blocks that every
   query of a tile sees whole are "full" (no mask evaluated);
-- a mask function that says, for one (row, query head, query, key), whether the key is
-  visible: it belongs to the row (``tables[row, logical] == block``, with ``logical`` the
-  block's position in its row's table, ``block_logical[block]``), to the KV head, lies at or before the query's position (causal) and inside the sliding window.
+- a mask function that says, for one (row, KV head, folded query, key), whether the key
+  is visible: it belongs to the row (``tables[row, logical] == block``, with ``logical``
+  the block's position in its row's table, ``block_logical[block]``), to the KV head,
+  lies at or before the query's position (causal) and inside the sliding window.
   FlexAttention requires the mask function to be exact on its own (its eager path and
   the partial tiles use it; the block mask only skips work).
 
@@ -49,9 +51,11 @@ import torch
 if TYPE_CHECKING:
     from worker.runner.attention_plan import AttentionPlan
 
-#: Queries per query tile of a prefill chunk's block mask.
+#: Folded queries (positions x query heads of one KV head) per query tile of a prefill
+#: chunk's block mask.
 PREFILL_QUERY_TILE = 64
-#: Queries per query tile of the short rows (a decode or a few drafts: one tile).
+#: Folded queries per query tile of the short rows (a decode's query heads of one KV
+#: head fill one tile, up to 16 of them). Rows of up to this many tokens are short.
 SHORT_QUERY_TILE = 16
 
 
