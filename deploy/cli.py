@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -404,22 +406,7 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
     engine = engine_kwargs(args)
-    # Serve reads these when it is imported (its handles take their transport from
-    # them: gRPC in the throughput-optimized mode) and its processes when Ray starts:
-    # so before anything below imports Serve.
     address = engine.pop("address", None)  # the replica runs inside that cluster already
-    proxy_port = args.port
-    if address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        _check_port(ap, args.host, args.port)
-        for key, value in (quiet_serve_env() | throughput_serve_env(args.direct_ingress)).items():
-            os.environ.setdefault(key, value)  # read by Serve's processes: before Ray starts
-        if args.direct_ingress:
-            # Read by Serve's controller and replica processes, which inherit the
-            # environment of the Ray this process starts.
-            os.environ.update(direct_ingress_env(args.port))
-            proxy_port = _free_port(args.host)  # the head proxy Serve keeps as a fallback
-    api = _api_args(ap, args) | _replica_args(ap, args)
     if args.model_tag is not None:
         if engine.get("model") not in (None, args.model_tag):
             ap.error(f"two models given: {args.model_tag} and --model {engine['model']}")
@@ -430,6 +417,22 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         EngineConfig(**engine)  # refuse bad values here, not in a replica
     except (ValueError, TypeError) as exc:
         ap.error(f"engine configuration: {exc}")
+    proxy_port = args.port
+    # Serve reads these when it is imported (its handles take their transport from
+    # them: gRPC in the throughput-optimized mode) and its processes when Ray starts:
+    # so before anything below imports Serve.
+    with _environment_restored_on_refusal():
+        if address is None:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            _check_port(ap, args.host, args.port)
+            for key, value in (quiet_serve_env() | throughput_serve_env(args.direct_ingress)).items():
+                os.environ.setdefault(key, value)  # read by Serve's processes: before Ray starts
+            if args.direct_ingress:
+                # Read by Serve's controller and replica processes, which inherit the
+                # environment of the Ray this process starts.
+                os.environ.update(direct_ingress_env(args.port))
+                proxy_port = _free_port(args.host)  # the head proxy Serve keeps as a fallback
+        api = _api_args(ap, args) | _replica_args(ap, args)  # these import Serve: after its variables
     from ray import serve
 
     from cluster.ray_session import RaySession
@@ -529,6 +532,22 @@ def direct_ingress_env(port: int) -> dict[str, str]:
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     }
+
+
+@contextlib.contextmanager
+def _environment_restored_on_refusal() -> Iterator[None]:
+    """``raydecode serve`` sets Serve's variables in its own environment before Ray
+    starts; a command refused before then (exit 2) leaves the environment as it found
+    it, so that a caller in the same process (a test, an embedding program) does not
+    start its own Ray later with, say, direct ingress on a port of a command that
+    never ran."""
+    saved = dict(os.environ)
+    try:
+        yield
+    except BaseException:
+        os.environ.clear()
+        os.environ.update(saved)
+        raise
 
 
 def _check_port(ap: argparse.ArgumentParser, host: str, port: int) -> None:

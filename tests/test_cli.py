@@ -353,3 +353,22 @@ def test_the_configuration_reference_lists_every_field():
     reference = text[text.index("## Configuration reference"):]
     missing = [f.name for f in msgspec.structs.fields(EngineConfig) if f"| `{f.name}` |" not in reference]
     assert not missing, f"docs/usage.md's configuration reference lacks {missing}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "m1", "--model", "m2"],  # refused before Serve's variables are set
+    ["serve", "--num-replicas", "2", "--min-replicas", "1"],  # refused after: they are undone
+])
+def test_a_refused_serve_leaves_the_environment_as_it_was(argv, monkeypatch, capsys):
+    """``raydecode serve`` sets Serve's variables (direct ingress on its port among them)
+    in its own environment before Ray starts. Refused, it must leave none behind: a Ray
+    started later in the same process (as every later test's) would otherwise deal its
+    ingress replicas that one port, and a second ingress replica could get none."""
+    from deploy.cli import _free_port
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)  # as a plain shell has it
+    before = dict(os.environ)
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--port", str(_free_port("127.0.0.1")), "--host", "127.0.0.1"])
+    assert exit_.value.code == 2, capsys.readouterr().err
+    assert dict(os.environ) == before
