@@ -14,10 +14,17 @@ bucket alone. A step's rows are padded to the bucket with rows that decode posit
 of the pool's scratch block (no request's block is touched), and only the real rows'
 logits are returned. Graphs are captured when a bucket is first needed (a warm-up run,
 then the capture); they share one memory pool.
+
+A model the graphs cannot replay turns them off for the worker at the first capture,
+with a warning, and its decode steps run eagerly: one whose attention kernel gives no
+static plan (a block size its tiles cannot take), or with layers whose attention takes
+the torch path (sliding windows), whose inputs are built on the host for each step and
+would be replayed stale.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +33,8 @@ import torch
 
 from worker.runner.attention_plan import AttentionPlan, PagedKernel
 from worker.runner.kv_pool import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 #: Batch sizes a graph is captured for (the engine's max_num_seqs is always one).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -63,9 +72,11 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < max_rows} | {max_rows})
         self.graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        #: why this model's decode steps cannot be replayed (None: they can, so far)
+        self.unusable: str | None = None
 
     def applies(self, num_rows: int, all_decode: bool) -> bool:
-        return all_decode and 0 < num_rows <= self.buckets[-1]
+        return self.unusable is None and all_decode and 0 < num_rows <= self.buckets[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of one decode step: row ``i`` runs token
@@ -75,9 +86,13 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= rows)
         graph = self.graphs.get(bucket)
         if graph is None:
-            graph = self.graphs[bucket] = self._capture(bucket, tables.shape[1])
+            try:
+                graph = self.graphs[bucket] = self._capture(bucket, tables.shape[1])
+            except CannotCapture as exc:
+                self.unusable = str(exc)
+                logger.warning("CUDA graphs are off for this model: %s; decode steps run eagerly", exc)
         plan = self._plan(bucket, positions, tables)
-        if plan.kernel_state is None:  # the kernel declined this step: run it eagerly
+        if graph is None or plan.kernel_state is None:  # the kernel declined this step: run it eagerly
             ids = torch.from_numpy(np.pad(input_ids, (0, bucket - rows))).to(self.device)
             return self.forward(ids, plan, torch.arange(rows, device=self.device))
         graph.input_ids[:rows].copy_(torch.from_numpy(input_ids))
@@ -102,19 +117,30 @@ class DecodeGraphs:
         keep = torch.arange(bucket, device=self.device)
         plan = self._plan(bucket, np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.int32))
         if plan.kernel_state is None:
-            raise RuntimeError("the attention kernel gave no static plan: CUDA graphs cannot capture its steps")
+            raise CannotCapture(f"the attention kernel gives no static plan (KV blocks of {self.kv.block_size} tokens)")
+        declined = getattr(self.kernel, "declined", 0)
         if self.device.type != "cuda":
-            return _Graph(None, input_ids, keep, plan, self.forward(input_ids, plan, keep))
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up: compiles, allocator state
-            for _ in range(2):
-                self.forward(input_ids, plan, keep)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+            logits = self.forward(input_ids, plan, keep)
+        else:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: compiles, allocator state
+                for _ in range(2):
+                    self.forward(input_ids, plan, keep)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        if getattr(self.kernel, "declined", 0) != declined:
+            raise CannotCapture("some layers' attention takes the torch path (a sliding window), whose inputs are "
+                                "built on the host for each step")
+        if self.device.type != "cuda":
+            return _Graph(None, input_ids, keep, plan, logits)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.forward(input_ids, plan, keep)
         return _Graph(graph, input_ids, keep, plan, logits)
+
+
+class CannotCapture(RuntimeError):
+    """This model's decode steps cannot be replayed from a graph."""
 
 
 def _plan_tensors(plan: AttentionPlan) -> list[torch.Tensor]:

@@ -87,7 +87,6 @@ class FlexPagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, compiled: bool | None = None) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.compiled = compiled
@@ -95,6 +94,9 @@ class FlexPagedAttention:
         #: logical position of each pool block in the rows that hold it (valid for the
         #: blocks of the current step's rows), on the pool's device
         self._block_logical: torch.Tensor | None = None
+        #: layer calls handed to the torch path (a sliding window, a declined step): a
+        #: CUDA graph cannot replay them (their plan is built on the host per step)
+        self.declined = 0
 
     def _flex(self, device: torch.device) -> Any:
         compiled = self.compiled if self.compiled is not None else device.type == "cuda"
@@ -213,6 +215,7 @@ class FlexPagedAttention:
                softcap: float | None) -> torch.Tensor | None:
         step: FlexStep | None = plan.kernel_state
         if step is None or window:
+            self.declined += 1
             return None  # sliding windows: the torch path (a window-aware mask is future work)
         k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
         dim = q_all.shape[-1]
