@@ -244,7 +244,8 @@ def map_engine_kwargs(kwargs: dict[str, Any], model: str) -> tuple[dict[str, Any
             if value is not None:
                 if not isinstance(value, bool):
                     raise _kwarg_error(name, f"expected true or false, got {value!r}")
-                put(engine, "cuda_graphs", not value, name)
+                if value:  # False is vLLM's default, as graphs on CUDA workers are ours: nothing to set
+                    put(engine, "cuda_graphs", False, name)
             continue
         if name == "speculative_config":
             if value is not None:
