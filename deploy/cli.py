@@ -540,7 +540,9 @@ def _environment_restored_on_refusal() -> Iterator[None]:
     starts; a command refused before then (exit 2) leaves the environment as it found
     it, so that a caller in the same process (a test, an embedding program) does not
     start its own Ray later with, say, direct ingress on a port of a command that
-    never ran."""
+    never ran. (Serve's own constants, if a refusal came after this process imported
+    Serve, keep what they read then; the Ray processes started later read the
+    restored environment.)"""
     saved = dict(os.environ)
     try:
         yield

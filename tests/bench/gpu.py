@@ -141,7 +141,7 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
             times.append(time.perf_counter() - t0)
         if d.rows and all(r.done() for r in d.rows) and not d.waiting:
             break
-        if profile and len(times) == steps - 16:
+        if profile and len(times) == max(steps - 16, 1):
             d.step_fn = w._step  # the worker's step on this thread, where the profilers look
             where_the_time_goes(d.step, 5)
             d.step_fn = w.step
