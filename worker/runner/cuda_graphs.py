@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.runner.attention_plan import AttentionPlan, PagedKernel
+from worker.runner.attention_plan import AttentionPlan
+from worker.runner.flex_attention import FlexPagedAttention
 from worker.runner.kv_pool import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Forward, kv: PagedKVCache, kernel: PagedKernel, max_rows: int,
+    def __init__(self, forward: Forward, kv: PagedKVCache, kernel: FlexPagedAttention, max_rows: int,
                  device: torch.device) -> None:
         if kv.scratch_block is None:
             raise ValueError("CUDA graphs need a scratch block in the KV pool for padding rows")
@@ -118,7 +119,7 @@ class DecodeGraphs:
         plan = self._plan(bucket, np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.int32))
         if plan.kernel_state is None:
             raise CannotCapture(f"the attention kernel gives no static plan (KV blocks of {self.kv.block_size} tokens)")
-        declined = getattr(self.kernel, "declined", 0)
+        declined = self.kernel.declined
         if self.device.type != "cuda":
             logits = self.forward(input_ids, plan, keep)
         else:
@@ -128,7 +129,7 @@ class DecodeGraphs:
                 for _ in range(2):
                     self.forward(input_ids, plan, keep)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-        if getattr(self.kernel, "declined", 0) != declined:
+        if self.kernel.declined != declined:
             raise CannotCapture("some layers' attention takes the torch path (a sliding window), whose inputs are "
                                 "built on the host for each step")
         if self.device.type != "cuda":

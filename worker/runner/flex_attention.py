@@ -226,9 +226,9 @@ class FlexPagedAttention:
         cuda = q_all.device.type == "cuda"
         total = q_all.shape[0]
         out = q_all.new_empty(total + 1, *q_all.shape[1:])  # row ``total``: where padding lands
+        kv_heads, group = self.num_kv_heads, self.group
         for call in step.calls:
             b, length = call.index.shape
-            kv_heads, group = self.num_kv_heads, self.group
             # [B, L, heads, dim] -> [B, kv_heads, L x group, dim]: a KV head's query heads folded in
             q = (q_all[call.index].view(b, length, kv_heads, group, dim).permute(0, 2, 1, 3, 4)
                  .reshape(b, kv_heads, length * group, dim).to(k.dtype))
