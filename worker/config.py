@@ -97,6 +97,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: torch threads per worker; None: ``worker_num_cpus`` when set (>= 1), else the
     #: cores of the worker's node split among this engine's workers on it
     worker_num_threads: int | None = None
+    #: CPU: the niceness (Linux, -20 to 19) the worker's threads take when it loads,
+    #: above the serving processes beside it, so that a request or a token that arrives
+    #: gets a core at once (``raydecode serve`` starts Ray's workers at 0); None: what
+    #: Ray gave the process (15 for its workers unless ``RAY_worker_niceness`` says
+    #: otherwise)
+    cpu_worker_niceness: int | None = 15
     # -- sampling -----------------------------------------------------------------
     #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
     num_spec_tokens: int = 0
@@ -157,6 +163,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
                 and self.distributed_timeout_s > 0, "distributed_timeout_s", "a positive number of seconds",
                 self.distributed_timeout_s)
         check_positive(self, "kv_cache_tokens", "kv_cache_memory_bytes", "worker_num_threads", optional=True)
+        niceness = self.cpu_worker_niceness
+        require(niceness is None or (is_int(niceness) and -20 <= niceness <= 19), "cpu_worker_niceness",
+                "an integer from -20 to 19, or None", niceness)
         if self.max_model_len is not None:
             require(is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
                     "an integer >= 2 (a prompt token and one to generate)", self.max_model_len)

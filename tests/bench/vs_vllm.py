@@ -126,6 +126,7 @@ import ray  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from _load_generator import LoadRequest, LoadResult, percentile, run_load, served_model, wait_ready  # noqa: E402
+from _process_cpu import CpuSnapshot  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
 from _timeline import engine_view, print_breakdown, read_lines, scrape, segments  # noqa: E402
 from helpers import free_port  # noqa: E402
@@ -550,7 +551,9 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                 print(f"  {label}: concurrency {c}, {len(reqs)} requests ...", flush=True)
                 time.sleep(1.5)  # ours: what came before (the warm-up) has reached /metrics
                 before = scrape(base)
+                cpu_before = CpuSnapshot.take()
                 res = run_load(base, model, reqs, concurrency=c)
+                cpu = CpuSnapshot.take().since(cpu_before)
                 time.sleep(1.5)  # ours: the replicas push their metrics every second
                 after = scrape(base)
                 out.levels[c] = from_load(res)
@@ -562,6 +565,7 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                       f"ITL p50 {percentile(f.itl, 50) * 1e3:.1f} ms p99 {percentile(f.itl, 99) * 1e3:.0f} ms, "
                       f"TPOT p50 {percentile(f.tpot, 50) * 1e3:.1f} ms, goodput {f.goodput:.2f} req/s", flush=True)
                 print(f"    {res.client.summary()}", flush=True)
+                print(f"    {cpu.summary()}", flush=True)
                 segs = segments(res.records, read_lines(timeline)) if timeline is not None else None
                 print_breakdown(label, c, segs, engine_view(before, after))
             if prefix is not None:

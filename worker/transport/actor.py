@@ -25,6 +25,7 @@ import ray
 import torch
 
 from worker.transport.compute_thread import ComputeThread
+from worker.transport.niceness import set_niceness
 from worker.config import WorkerConfig
 from worker.transport.protocol import Codec, WorkerInfo
 from worker.transport.step_channel import ChannelAddress, StepChannelServer, channel_host
@@ -86,6 +87,8 @@ class Worker:
             # initialised before; say it explicitly.
             torch.set_num_threads(threads)
         self._runner = ModelRunner(config, rank, store=getattr(self, "_store", None))
+        if self._runner.device.type == "cpu" and config.cpu_worker_niceness is not None:
+            set_niceness(config.cpu_worker_niceness)  # after the load: torch's threads exist
         return msgspec.msgpack.encode(self._runner.info)
 
     def step(self, message: bytes) -> bytes:
