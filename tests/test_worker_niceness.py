@@ -45,18 +45,19 @@ def test_every_thread_is_set_and_new_threads_inherit_it():
         stop = threading.Event()
         before = threading.Thread(target=stop.wait)
         before.start()
-        refused = set_niceness(7)
+        target = min(19, max(7, os.getpriority(os.PRIO_PROCESS, 0) + 3))  # raising needs no privilege
+        refused = set_niceness(target)
         after = threading.Thread(target=stop.wait)
         after.start()
         nice = {t.native_id: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in (before, after)}
         nice[threading.main_thread().native_id] = os.getpriority(os.PRIO_PROCESS, 0)
         stop.set()
-        print(json.dumps({"refused": refused, "nice": list(nice.values())}))
+        print(json.dumps({"refused": refused, "nice": [n - target for n in nice.values()]}))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={**os.environ, "PYTHONPATH": ROOT}, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"refused": 0, "nice": [7, 7, 7]}
+    assert result == {"refused": 0, "nice": [0, 0, 0]}
 
 
 def test_a_refused_niceness_is_counted_and_said(monkeypatch, caplog):
@@ -92,6 +93,8 @@ def test_a_cpu_worker_takes_its_niceness_when_it_loads(ray_local, tiny_model_pat
     try:
         pid = ray.get(handle.ready.remote())["pid"]
         before = thread_niceness(pid)
+        if setting is not None:  # above every thread's niceness now: raising needs no privilege
+            setting = min(19, max(setting, *before.values()))
         config = WorkerConfig(model=tiny_model_path, max_num_seqs=2, max_model_len=64, cpu_worker_niceness=setting)
         ray.get(handle.load.remote(msgspec.msgpack.encode(config)))
         after = thread_niceness(pid)
@@ -100,4 +103,4 @@ def test_a_cpu_worker_takes_its_niceness_when_it_loads(ray_local, tiny_model_pat
     if setting is None:
         assert {tid: after[tid] for tid in before if tid in after} == before
     else:
-        assert set(after.values()) == {17} and len(after) >= len(before)
+        assert set(after.values()) == {setting} and len(after) >= len(before)
