@@ -101,6 +101,7 @@ def test_a_cpu_worker_takes_its_niceness_when_it_loads(ray_local, tiny_model_pat
     finally:
         ray.kill(handle)
     if setting is None:
-        assert {tid: after[tid] for tid in before if tid in after} == before
+        kept = [tid for tid in before if tid in after]  # (a thread may have ended since)
+        assert kept and [after[tid] for tid in kept] == [before[tid] for tid in kept]
     else:
         assert set(after.values()) == {setting} and len(after) >= len(before)

@@ -97,11 +97,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: torch threads per worker; None: ``worker_num_cpus`` when set (>= 1), else the
     #: cores of the worker's node split among this engine's workers on it
     worker_num_threads: int | None = None
-    #: CPU: the niceness (Linux, -20 to 19) the worker's threads take when it loads,
-    #: above the serving processes beside it, so that a request or a token that arrives
-    #: gets a core at once (``raydecode serve`` starts Ray's workers at 0); None: what
-    #: Ray gave the process (15 for its workers unless ``RAY_worker_niceness`` says
-    #: otherwise)
+    #: CPU: the niceness (Linux, -20 to 19) the worker's threads take when it loads:
+    #: higher than the serving processes' beside it (a lower priority), so that a request
+    #: or a token that arrives gets a core at once (``raydecode serve`` starts Ray's
+    #: workers at 0); None: what Ray gave the process (15 for its workers unless
+    #: ``RAY_worker_niceness`` says otherwise)
     cpu_worker_niceness: int | None = 15
     # -- sampling -----------------------------------------------------------------
     #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
