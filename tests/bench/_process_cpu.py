@@ -34,6 +34,8 @@ def process_label(p: psutil.Process) -> str:
         return title.split(".")[0]  # ray::ServeController.listen_for_change -> ray::ServeController
     if cmd and cmd[0].startswith("VLLM::"):
         return cmd[0].split()[0]
+    if name.startswith("kworker/"):  # kworker/u8:1-flush-254:0: the work item changes
+        return name.split("-", 1)[0]
     for i, arg in enumerate(cmd[1:], 1):
         if arg == "-m" and i + 1 < len(cmd):
             return cmd[i + 1].rsplit(".", 1)[-1] if "vllm" not in cmd[i + 1] else cmd[i + 1]
@@ -66,7 +68,6 @@ class CpuSnapshot:
         for pid, (label, secs, started) in self.seconds.items():
             old = before.seconds.get(pid)
             used = secs - (old[1] if old is not None and old[2] == started else 0.0)
-            label = label.split("-", 1)[0] if label.startswith("kworker/") else label
             if used > 0:
                 shares[label] = shares.get(label, 0.0) + 100.0 * used / elapsed
         return CpuShares(elapsed, shares, 100.0 * psutil.cpu_count())
