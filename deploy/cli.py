@@ -518,9 +518,10 @@ def throughput_serve_env(direct_ingress: bool) -> dict[str, str]:
     stderr (a driver that prints its workers' output, such as ``serve run``, shows
     them; ``raydecode serve`` starts Ray with ``log_to_driver`` off, so they stay in
     Ray's session logs), each request's access-log line is written when it ends, not a
-    thousand at a time (neither measured a cost: with both stderr and Ray's metrics
-    export off, +1.3% tokens/s in the median of three pairs, within noise), and direct
-    ingress stays whatever ``--direct-ingress`` says. gRPC's 4 MiB cap on what a replica receives is raised to gRPC's own limit,
+    thousand at a time (neither measured a cost: stderr off together with Ray's
+    metrics export gave +1.3% tokens/s in the median of three pairs, within noise),
+    and direct ingress stays whatever ``--direct-ingress`` says. gRPC's 4 MiB cap on
+    what a replica receives is raised to gRPC's own limit,
     so a body the ingress accepts reaches the engine, which refuses an oversized
     prompt with a 400 naming it, as it does over Ray calls. A cluster started by
     ``ray start`` gets the same from these variables in its environment
