@@ -224,6 +224,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--request-router-kwargs", type=_json_of(dict), default=None, metavar="JSON",
                    help='the prefix-aware router\'s settings, e.g. \'{"imbalanced_threshold": 16}\' (requests a '
                         "replica may have in flight beyond the least busy one and still get its prefixes; default 8)")
+    r.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
+                   help="the HTTP ingress and the engine in one replica: no router, no gRPC hop and one process "
+                        "fewer; on by default with one engine replica, refused with more. While that replica is "
+                        "replaced (it crashed) nothing answers HTTP; with --no-colocate the ingress answers 503")
     _engine_flags(srv)
 
     bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
@@ -284,9 +288,11 @@ def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
     elif args.num_replicas is not None:
         out["num_replicas"] = args.num_replicas
     for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests", "request_router",
-                 "request_router_kwargs"):
+                 "request_router_kwargs", "colocate"):
         if getattr(args, flag) is not None:
             out[flag] = getattr(args, flag)
+    if args.colocate is None:  # one engine replica: it and the ingress in one replica
+        out["colocate"] = "autoscaling_config" not in out and out.get("num_replicas", 1) == 1
     from pydantic import ValidationError
 
     from deploy.serve import ServerArgs

@@ -114,6 +114,8 @@ def over_cluster_transport(handle: Any) -> Any:
     Logs which it is."""
     from ray.serve._private import constants
 
+    if getattr(type(handle), "in_process", False):  # deploy/colocated.py: no transport
+        return handle
     grpc = constants.RAY_SERVE_USE_GRPC_BY_DEFAULT
     logger.info("engine calls over %s", "gRPC" if grpc else "Ray actor calls")
     return handle.options(_by_reference=not grpc)

@@ -85,6 +85,10 @@ class ServerArgs(BaseModel):
     #: a file each replica (ingress and engine) appends one JSON line per request to:
     #: where its time to first token went (deploy/timeline.py); None: off
     request_timeline: str | None = None
+    #: the ingress and the engine in one replica (deploy/colocated.py): no router, no
+    #: gRPC hop and one process fewer per request; only with one engine replica that
+    #: does not autoscale. While that replica is replaced, nothing answers HTTP
+    colocate: bool = False
 
     def model_id(self) -> str:
         """The name clients send as ``model``: ``served_model_name``, else the model
@@ -112,6 +116,8 @@ class ServerArgs(BaseModel):
             raise ValueError("request_router_kwargs: settings of the prefix-aware router, but request_router is "
                              "power_of_two")
         check_router_kwargs(self.request_router_kwargs)
+        if self.colocate and (self.num_replicas != 1 or self.autoscaling_config is not None):
+            raise ValueError("colocate: only with one engine replica (num_replicas 1, no autoscaling_config)")
         return self
 
 
@@ -166,11 +172,35 @@ def ingress_deployment(engines: dict[str, serve.Application], api_key: str | Non
     ).bind(engines, api_key, retry_after_s, request_timeline)
 
 
+def colocated_deployment(parsed: ServerArgs) -> serve.Application:
+    """The ingress with the one engine in its replica (``deploy/colocated.py``), bound:
+    the engine's load limits, drain time and runtime_env on that replica."""
+    from deploy.colocated import ColocatedServer
+
+    engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
+    options: dict[str, Any] = {}
+    if engine.group_size > 1:
+        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        options.update(placement_group_bundles=serve_bundles(engine, gpus),
+                       placement_group_strategy=engine.placement_group_strategy)
+    replica_options: dict[str, Any] = {"num_cpus": 0}
+    if parsed.runtime_env is not None:
+        replica_options["runtime_env"] = parsed.runtime_env
+    return serve.deployment(ColocatedServer).options(
+        name="LLMServer", num_replicas=1, ray_actor_options=replica_options, health_check_period_s=10,
+        max_ongoing_requests=parsed.max_ongoing_requests, max_queued_requests=parsed.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s),
+        graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s, **options,
+    ).bind(parsed.model_dump())
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application (``serve.run(build_app({...}))``, or ``import_path:
     deploy.serve:build_app`` in a Serve config): the OpenAI ingress and, behind it, the
     engine deployment."""
     parsed = ServerArgs.model_validate(args or {})
+    if parsed.colocate:
+        return colocated_deployment(parsed)
     return ingress_deployment({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s,
                               {"graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s},
                               parsed.request_timeline)

@@ -263,22 +263,29 @@ def _aborted(port: int) -> float:
                for s in f.samples if s.labels.get("finished_reason") == "abort" and s.name.endswith("_total"))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig):
+@pytest.mark.parametrize("sig, colocate", [(signal.SIGTERM, True), (signal.SIGINT, False)],
+                         ids=["SIGTERM-colocated", "Ctrl-C-separate"])
+def test_serve_answers_then_stops_everything_it_started(tiny_model_path, sig, colocate):
     """``raydecode serve`` on its own Ray: SIGTERM (or Ctrl-C) stops it, and with it
     every process it started (GCS, raylet, Serve, workers, the dashboard and runtime-env
-    agents)."""
-    proc, port = _serve(tiny_model_path)
+    agents). By default the ingress and the engine share one replica; with
+    ``--no-colocate`` they are two deployments."""
+    proc, port = _serve(tiny_model_path, *([] if colocate else ["--no-colocate"]))
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("raylet" in _cmdline(p) for p in started)
     try:
         # Direct ingress: the Serve replica itself listens on --port, not Serve's proxy.
         holders = {c.pid for c in psutil.net_connections(kind="tcp")
                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-        assert [_cmdline(psutil.Process(pid)).split()[0] for pid in holders] == ["ray::ServeReplica:raydecode:OpenAIIngress"]
-        # Serve's throughput-optimized mode reached the handles: the ingress streams
-        # from the engine over gRPC (it had not, while the CLI imported Serve first).
-        assert "engine calls over gRPC" in _replica_log(started, "OpenAIIngress")
+        ingress = "LLMServer" if colocate else "OpenAIIngress"
+        assert [_cmdline(psutil.Process(pid)).split()[0] for pid in holders] == [f"ray::ServeReplica:raydecode:{ingress}"]
+        replicas = {_cmdline(p).split()[0] for p in started if "ServeReplica" in _cmdline(p)}
+        assert replicas == {f"ray::ServeReplica:raydecode:{d}" for d in
+                            (["LLMServer"] if colocate else ["OpenAIIngress", "LLMEngine"])}
+        if not colocate:
+            # Serve's throughput-optimized mode reached the handles: the ingress streams
+            # from the engine over gRPC (it had not, while the CLI imported Serve first).
+            assert "engine calls over gRPC" in _replica_log(started, "OpenAIIngress")
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert models["data"][0]["id"] == "tiny"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)

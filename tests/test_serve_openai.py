@@ -1,6 +1,8 @@
 """The Serve application on a local Ray, driven by the real ``openai`` client (and raw
 HTTP for what the client hides): completions, chat, streaming, logprobs, errors, API
-key, aborts on disconnect, backpressure and a burst of concurrent requests."""
+key, aborts on disconnect, backpressure and a burst of concurrent requests. Each test
+runs against both shapes of the app: the ingress in front of an engine deployment,
+and the two in one replica (``colocate``, ``deploy/colocated.py``)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ from helpers import TEMPLATE, served
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module")
-def server(ray_local, tiny_model_path):
+@pytest.fixture(scope="module", params=[False, True], ids=["separate", "colocated"])
+def server(request, ray_local, tiny_model_path):
     with served({
         "model": tiny_model_path, "served_model_name": "tiny", "api_key": KEY, "chat_template": TEMPLATE,
         "engine": {"max_num_seqs": 16, "max_model_len": 512, "worker_num_cpus": 1},
-        "max_ongoing_requests": 32, "max_queued_requests": 64,
+        "max_ongoing_requests": 32, "max_queued_requests": 64, "colocate": request.param,
     }, "openai") as url:
         yield url
 
@@ -156,3 +158,26 @@ def test_burst_of_concurrent_requests_is_answered_or_shed(server):
     assert _running(server) == 0
     rss_after = httpx.get(f"{server}/health").json()["rss_bytes"]
     assert rss_after < rss_before + 64 * 2**20
+
+
+def test_metrics_count_what_this_app_ran(client, server):
+    """``/metrics`` answers for the engine in either shape: from the hub the engine
+    replica pushes to, or (colocated) its own engine read at the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, float]:
+        text = httpx.get(f"{server}/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    before = samples()
+    client.completions.create(model="tiny", prompt="count me", max_tokens=3)
+    deadline = time.monotonic() + 20
+    while (after := samples()).get("vllm:request_success_total", 0) <= before.get("vllm:request_success_total", 0):
+        assert time.monotonic() < deadline, "the request never showed in /metrics"
+        time.sleep(0.3)
+    assert after["raydecode:replicas_live"] == 1
+    assert after["vllm:generation_tokens_total"] >= before.get("vllm:generation_tokens_total", 0) + 3
