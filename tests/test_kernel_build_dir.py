@@ -44,3 +44,26 @@ def test_changed_sources_build_apart(tmp_path: Path, monkeypatch: pytest.MonkeyP
     before = _build_dir(monkeypatch, sources, headers)
     headers[0].write_text(headers[0].read_text() + "\n// changed\n")
     assert _build_dir(monkeypatch, sources, headers) != before
+
+
+def test_the_build_runs_the_wheels_ninja_whatever_else_is_on_path(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's builder runs the first ``ninja`` on PATH. A process started by
+    ``.venv/bin/python`` without the venv activated (``vs_vllm.py``'s server, a service)
+    found the system's ninja (1.11 on the dev host), an activated one the ``ninja``
+    wheel's (1.13). From 1.13 ninja hashes a build's commands differently, so each saw
+    the other's commands as changed and rebuilt all four kernels: ~50 s of both cores at
+    a worker's start, every time the other kind had built last."""
+    import os
+    import stat
+
+    ninja = pytest.importorskip("ninja")
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other), os.environ.get("PATH", "")]))
+    kernels._put_ninja_on_path()
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    kernels._put_ninja_on_path()  # again: PATH does not grow
+    assert os.environ["PATH"].split(os.pathsep).count(ninja.BIN_DIR) == 1

@@ -22,7 +22,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,15 +110,19 @@ def load() -> Any | None:
 
 
 def _put_ninja_on_path() -> None:
-    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency)
-    installs it beside the interpreter, which is on PATH only in an activated venv."""
-    if shutil.which("ninja") is not None:
-        return
+    """torch's builder runs the first ``ninja`` on PATH: make that the ``ninja`` wheel's
+    (a dependency; it installs beside the interpreter, on PATH only in an activated
+    venv), whatever else is there. From 1.13 ninja hashes a build's commands
+    differently, so a system ninja (1.11) and the wheel's (1.13) took turns rebuilding
+    all four kernels, each seeing the other's commands as changed: ~50 s of both cores
+    at a worker's start whenever a process started without the venv on PATH loaded
+    them after one started with it, or the other way round."""
     try:
         import ninja
-    except ImportError:  # the build then says ninja is missing
+    except ImportError:  # the system's ninja, if any; the build says when there is none
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != ninja.BIN_DIR]
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *rest])
 
 
 if __name__ == "__main__":  # `python -m worker.cpu.kernels`: build ahead of time
