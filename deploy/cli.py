@@ -226,8 +226,9 @@ def _parser() -> argparse.ArgumentParser:
                         "replica may have in flight beyond the least busy one and still get its prefixes; default 8)")
     r.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
                    help="the HTTP ingress and the engine in one replica: no router, no gRPC hop and one process "
-                        "fewer; on by default with one engine replica, refused with more. While that replica is "
-                        "replaced (it crashed) nothing answers HTTP; with --no-colocate the ingress answers 503")
+                        "fewer; on by default with one engine replica and no --request-router*, refused with more. "
+                        "While that replica is replaced (it crashed) nothing answers HTTP; with --no-colocate the "
+                        "ingress answers 503")
     _engine_flags(srv)
 
     bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
@@ -291,8 +292,9 @@ def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
                  "request_router_kwargs", "colocate"):
         if getattr(args, flag) is not None:
             out[flag] = getattr(args, flag)
-    if args.colocate is None:  # one engine replica: it and the ingress in one replica
-        out["colocate"] = "autoscaling_config" not in out and out.get("num_replicas", 1) == 1
+    if args.colocate is None:  # one engine replica, no router asked for: it and the ingress in one replica
+        out["colocate"] = ("autoscaling_config" not in out and out.get("num_replicas", 1) == 1
+                           and "request_router" not in out and "request_router_kwargs" not in out)
     from pydantic import ValidationError
 
     from deploy.serve import ServerArgs

@@ -20,6 +20,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -312,11 +313,12 @@ class EngineServer:
         include_usage, _ = body.usage_options()
         first: float | None = None
         try:
-            async for index, out in _merge(streams):
-                for chunk in chunks_of(index, out):
-                    if first is None:
-                        first = time.time()
-                    yield _sse(chunk)
+            async with aclosing(_merge(streams)) as outputs:
+                async for index, out in outputs:
+                    for chunk in chunks_of(index, out):
+                        if first is None:
+                            first = time.time()
+                        yield _sse(chunk)
             if include_usage:
                 yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
                                        "choices": [], "usage": total_usage().model_dump()}))
@@ -399,13 +401,15 @@ class EngineServer:
 
     async def completions(self, body: CompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
         """``/v1/completions``: a ``Reply``, then the event text when it streams."""
-        async for item in self._respond(self._completions(body, request_id)):
-            yield item
+        async with aclosing(self._respond(self._completions(body, request_id))) as items:
+            async for item in items:
+                yield item
 
     async def chat(self, body: ChatCompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
         """``/v1/chat/completions``: a ``Reply``, then the event text when it streams."""
-        async for item in self._respond(self._chat(body, request_id)):
-            yield item
+        async with aclosing(self._respond(self._chat(body, request_id))) as items:
+            async for item in items:
+                yield item
 
     @staticmethod
     async def _respond(prepared: Awaitable[tuple[Reply, AsyncIterator[str] | None]]) -> AsyncIterator[Any]:
@@ -418,8 +422,9 @@ class EngineServer:
             return
         yield reply
         if events is not None:
-            async for text in coalesce(events):
-                yield text
+            async with aclosing(coalesce(events)) as texts:
+                async for text in texts:
+                    yield text
 
     async def _completions(self, body: CompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()

@@ -125,7 +125,13 @@ def _json(reply: Reply) -> JSONResponse:
     return JSONResponse(reply.body, status_code=reply.status)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, health_check_period_s=10)
+#: requests in the ingress replica at once: it relays, so Serve does not hold them back
+#: (the engine deployment's limits apply behind it)
+MAX_ONGOING_REQUESTS = 10_000
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING_REQUESTS,
+                  health_check_period_s=10)
 @serve.ingress(app)
 class OpenAIIngress:
     """``engines``: the served model name of each engine deployment, to its handle."""

@@ -21,7 +21,7 @@ from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from cluster.config import EngineConfig
 from cluster.worker_pool import serve_bundles
 from deploy.engine_server import EngineServer
-from deploy.ingress import OpenAIIngress
+from deploy.ingress import MAX_ONGOING_REQUESTS, OpenAIIngress
 from deploy.openai.tool_parsers import TOOL_PARSERS
 from deploy.openai.tools import DEFAULT_MAX_TOOLS
 from deploy.request_router import check_router_kwargs, router_options
@@ -118,7 +118,34 @@ class ServerArgs(BaseModel):
         check_router_kwargs(self.request_router_kwargs)
         if self.colocate and (self.num_replicas != 1 or self.autoscaling_config is not None):
             raise ValueError("colocate: only with one engine replica (num_replicas 1, no autoscaling_config)")
+        if self.colocate and (self.request_router is not None or self.request_router_kwargs):
+            raise ValueError("colocate: one engine replica in the ingress's process has no request router to set "
+                             "(request_router, request_router_kwargs)")
         return self
+
+
+def _engine_replica_options(parsed: ServerArgs, actor_options: dict[str, Any] | None = None
+                            ) -> tuple[EngineConfig, dict[str, Any]]:
+    """(the engine's configuration, the Serve options of a replica that holds it):
+    its load limits, drain time, ``ray_actor_options`` (``actor_options`` over no CPU
+    of its own, and ``runtime_env``) and, for model-parallel workers, every rank's
+    placement-group bundle."""
+    engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
+    replica_options: dict[str, Any] = {"num_cpus": 0, **(actor_options or {})}
+    if parsed.runtime_env is not None:
+        replica_options["runtime_env"] = parsed.runtime_env
+    options: dict[str, Any] = {
+        "health_check_period_s": 10, "ray_actor_options": replica_options,
+        "max_ongoing_requests": parsed.max_ongoing_requests, "max_queued_requests": parsed.max_queued_requests,
+        "graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s,
+    }
+    if engine.group_size > 1:
+        # Model-parallel workers: the replica reserves every rank's bundle with its own
+        # (Ray Serve LLM's way), so it never starts with half its ranks.
+        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        options.update(placement_group_bundles=serve_bundles(engine, gpus),
+                       placement_group_strategy=engine.placement_group_strategy)
+    return engine, options
 
 
 def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
@@ -130,30 +157,13 @@ def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
     ``accelerator_type``). ``serve_options``: further Serve deployment options
     (health_check_period_s, health_check_timeout_s, logging_config, ...), over the
     defaults here."""
-    options: dict[str, Any] = {"health_check_period_s": 10}
-    engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
-    if engine.group_size > 1:
-        # Model-parallel workers: the replica reserves every rank's bundle with its own
-        # (Ray Serve LLM's way), so it never starts with half its ranks.
-        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
-        options.update(placement_group_bundles=serve_bundles(engine, gpus),
-                       placement_group_strategy=engine.placement_group_strategy)
+    engine, options = _engine_replica_options(parsed, actor_options)
     if parsed.autoscaling_config is not None:
         options.update(num_replicas="auto", autoscaling_config=parsed.autoscaling_config)
     else:
         options.update(num_replicas=parsed.num_replicas)
     options.update(router_options(parsed.request_router, parsed.request_router_kwargs, engine.enable_prefix_caching))
-    replica_options: dict[str, Any] = {"num_cpus": 0, **(actor_options or {})}
-    if parsed.runtime_env is not None:
-        replica_options["runtime_env"] = parsed.runtime_env
-    return serve.deployment(EngineServer).options(
-        name=name,
-        ray_actor_options=replica_options,
-        max_ongoing_requests=parsed.max_ongoing_requests,
-        max_queued_requests=parsed.max_queued_requests,
-        graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s,
-        **options | (serve_options or {}),
-    ).bind(parsed.model_dump())
+    return serve.deployment(EngineServer).options(name=name, **options | (serve_options or {})).bind(parsed.model_dump())
 
 
 def ingress_deployment(engines: dict[str, serve.Application], api_key: str | None = None,
@@ -174,23 +184,17 @@ def ingress_deployment(engines: dict[str, serve.Application], api_key: str | Non
 
 def colocated_deployment(parsed: ServerArgs) -> serve.Application:
     """The ingress with the one engine in its replica (``deploy/colocated.py``), bound:
-    the engine's load limits, drain time and runtime_env on that replica."""
+    the engine replica's options on it, except that Serve limits its requests as it
+    does the ingress's (the engine's limits are kept in the replica, for generations
+    alone, so ``/metrics`` and ``/health`` never wait behind them)."""
     from deploy.colocated import ColocatedServer
 
-    engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
-    options: dict[str, Any] = {}
-    if engine.group_size > 1:
-        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
-        options.update(placement_group_bundles=serve_bundles(engine, gpus),
-                       placement_group_strategy=engine.placement_group_strategy)
-    replica_options: dict[str, Any] = {"num_cpus": 0}
-    if parsed.runtime_env is not None:
-        replica_options["runtime_env"] = parsed.runtime_env
+    _, options = _engine_replica_options(parsed)
+    del options["max_queued_requests"]
+    options["max_ongoing_requests"] = MAX_ONGOING_REQUESTS
     return serve.deployment(ColocatedServer).options(
-        name="LLMServer", num_replicas=1, ray_actor_options=replica_options, health_check_period_s=10,
-        max_ongoing_requests=parsed.max_ongoing_requests, max_queued_requests=parsed.max_queued_requests,
-        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s),
-        graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s, **options,
+        name="LLMServer", num_replicas=1,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s), **options,
     ).bind(parsed.model_dump())
 
 

@@ -11,9 +11,10 @@ import time
 import httpx
 import pytest
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from deploy.cli import main
-from deploy.colocated import LocalEngine
+from deploy.colocated import Admission, LocalEngine
 from deploy.ingress import over_cluster_transport
 from deploy.serve import ServerArgs, build_app
 from helpers import free_port
@@ -74,10 +75,72 @@ def test_local_engine_answers_as_a_deployment_handle_does():
     assert server.closed == ["whole", "head", "left", "done"]
 
 
+def test_admission_keeps_the_engine_replicas_limits_in_process():
+    """At most ``max_ongoing`` generations, ``max_queued`` waiting in arrival order, the
+    next refused as Serve refuses it; a waiter that leaves (its client went) gives up its
+    turn, and one cancelled as it was handed a place passes the place on."""
+    async def run() -> None:
+        admission = Admission(max_ongoing=2, max_queued=2)
+        await admission.enter()
+        await admission.enter()
+        order: list[str] = []
+
+        async def wait(name: str) -> None:
+            await admission.enter()
+            order.append(name)
+
+        a, b = asyncio.ensure_future(wait("a")), asyncio.ensure_future(wait("b"))
+        await asyncio.sleep(0)
+        with pytest.raises(BackPressureError):
+            await admission.enter()  # two running, two waiting: the fifth is refused
+        a.cancel()  # a's client left while it waited
+        await asyncio.sleep(0)
+        admission.leave()  # a place frees: b gets it, not the cancelled a
+        await asyncio.sleep(0)
+        assert order == ["b"] and admission.ongoing == 2
+        c = asyncio.ensure_future(wait("c"))
+        await asyncio.sleep(0)
+        admission.leave()  # handed to c ...
+        c.cancel()  # ... which is cancelled before it runs: the place is passed on
+        await asyncio.gather(c, return_exceptions=True)
+        assert admission.ongoing == 1
+        admission.leave()
+        assert admission.ongoing == 0
+        await admission.enter()  # a free place: at once
+        assert admission.ongoing == 1
+
+    asyncio.run(run())
+
+
+def test_only_generations_are_admitted():
+    """A generation holds its place until its stream ends (read to the end, or closed
+    after its head); the other calls (health, tokenize, ...) never wait for one."""
+    server = FakeServer()
+    admission = Admission(max_ongoing=1, max_queued=0)
+    handle = LocalEngine(server, admission)
+
+    async def run() -> None:
+        stream = handle.options(stream=True).completions.remote("first", 3)
+        assert await stream.__anext__() == "first-0"
+        assert admission.ongoing == 1
+        assert await handle.card.remote() == {"id": "m"}  # not queued behind it
+        with pytest.raises(BackPressureError):
+            await handle.options(stream=True).completions.remote("second", 1).__anext__()
+        stream.cancel()
+        await asyncio.sleep(0.05)
+        assert admission.ongoing == 0 and server.closed == ["first"]
+        assert [x async for x in handle.options(stream=True).completions.remote("third", 2)] == ["third-0", "third-1"]
+        assert admission.ongoing == 0
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("args", [{"num_replicas": 2}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}])
 def test_colocate_needs_one_engine_replica(args, capsys):
     with pytest.raises(ValueError, match="colocate: only with one engine replica"):
         ServerArgs.model_validate({"colocate": True, **args})
+    with pytest.raises(ValueError, match="colocate: one engine replica .* has no request router"):
+        ServerArgs.model_validate({"colocate": True, "request_router": "power_of_two"})
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--colocate", "--num-replicas", "2", "--port", str(free_port()), "--host", "127.0.0.1"])
     assert exit_.value.code == 2 and "colocate: only with one engine replica" in capsys.readouterr().err

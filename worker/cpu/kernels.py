@@ -121,7 +121,9 @@ def _put_ninja_on_path() -> None:
         import ninja
     except ImportError:  # the system's ninja, if any; the build says when there is none
         return
-    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != ninja.BIN_DIR]
+    if not os.path.isfile(os.path.join(ninja.BIN_DIR, "ninja")):  # a layout without its launcher
+        return
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p != ninja.BIN_DIR]
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *rest])
 
 
