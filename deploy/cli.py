@@ -289,12 +289,13 @@ def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
     elif args.num_replicas is not None:
         out["num_replicas"] = args.num_replicas
     for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests", "request_router",
-                 "request_router_kwargs", "colocate"):
+                 "request_router_kwargs"):
         if getattr(args, flag) is not None:
             out[flag] = getattr(args, flag)
-    if args.colocate is None:  # one engine replica, no router asked for: it and the ingress in one replica
-        out["colocate"] = ("autoscaling_config" not in out and out.get("num_replicas", 1) == 1
-                           and "request_router" not in out and "request_router_kwargs" not in out)
+    # By default, one engine replica with no router asked for shares the ingress's replica.
+    out["colocate"] = args.colocate if args.colocate is not None else (
+        "autoscaling_config" not in out and out.get("num_replicas", 1) == 1
+        and "request_router" not in out and "request_router_kwargs" not in out)
     from pydantic import ValidationError
 
     from deploy.serve import ServerArgs

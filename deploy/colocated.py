@@ -95,10 +95,10 @@ class _LocalStream:
         return await self._items.__anext__()
 
     def cancel(self) -> None:
-        """Closes the engine's generator (which aborts its requests) when it is not
-        running: a stream cancelled while an item is awaited has had the cancellation
-        thrown into it already."""
-        if self._items.ag_running:
+        """Closes the engine's generator (which aborts its requests) when it is
+        suspended: one that ended has nothing to close, and a stream cancelled while
+        an item is awaited has had the cancellation thrown into it already."""
+        if self._items.ag_running or self._items.ag_frame is None:
             return
         task = asyncio.ensure_future(self._items.aclose())
         _closing.add(task)

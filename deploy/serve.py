@@ -126,19 +126,16 @@ class ServerArgs(BaseModel):
 
 def _engine_replica_options(parsed: ServerArgs, actor_options: dict[str, Any] | None = None
                             ) -> tuple[EngineConfig, dict[str, Any]]:
-    """(the engine's configuration, the Serve options of a replica that holds it):
-    its load limits, drain time, ``ray_actor_options`` (``actor_options`` over no CPU
-    of its own, and ``runtime_env``) and, for model-parallel workers, every rank's
-    placement-group bundle."""
+    """(the engine's configuration, the Serve options of a replica that holds it): its
+    drain time, ``ray_actor_options`` (``actor_options`` over no CPU of its own, and
+    ``runtime_env``) and, for model-parallel workers, every rank's placement-group
+    bundle. Its load limits are the caller's."""
     engine = EngineConfig(num_workers=parsed.num_workers, **{k: v for k, v in parsed.engine.items() if k != "model"})
     replica_options: dict[str, Any] = {"num_cpus": 0, **(actor_options or {})}
     if parsed.runtime_env is not None:
         replica_options["runtime_env"] = parsed.runtime_env
-    options: dict[str, Any] = {
-        "health_check_period_s": 10, "ray_actor_options": replica_options,
-        "max_ongoing_requests": parsed.max_ongoing_requests, "max_queued_requests": parsed.max_queued_requests,
-        "graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s,
-    }
+    options: dict[str, Any] = {"health_check_period_s": 10, "ray_actor_options": replica_options,
+                               "graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s}
     if engine.group_size > 1:
         # Model-parallel workers: the replica reserves every rank's bundle with its own
         # (Ray Serve LLM's way), so it never starts with half its ranks.
@@ -158,6 +155,7 @@ def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
     (health_check_period_s, health_check_timeout_s, logging_config, ...), over the
     defaults here."""
     engine, options = _engine_replica_options(parsed, actor_options)
+    options.update(max_ongoing_requests=parsed.max_ongoing_requests, max_queued_requests=parsed.max_queued_requests)
     if parsed.autoscaling_config is not None:
         options.update(num_replicas="auto", autoscaling_config=parsed.autoscaling_config)
     else:
@@ -190,10 +188,8 @@ def colocated_deployment(parsed: ServerArgs) -> serve.Application:
     from deploy.colocated import ColocatedServer
 
     _, options = _engine_replica_options(parsed)
-    del options["max_queued_requests"]
-    options["max_ongoing_requests"] = MAX_ONGOING_REQUESTS
     return serve.deployment(ColocatedServer).options(
-        name="LLMServer", num_replicas=1,
+        name="LLMServer", num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s), **options,
     ).bind(parsed.model_dump())
 
