@@ -86,8 +86,12 @@ def test_the_kernel_equals_the_torch_path(isa, seed, rows, kv_heads, group, dim,
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("max_query", [6, 16])
-def test_bfloat16_pools(isa, max_query):
-    cache, plan, q = case(3, 6, 2, 3, 64, 16, torch.bfloat16, depth=600, max_query=max_query)
+@pytest.mark.parametrize("dim,block", [(64, 16), (48, 16), (64, 5)])
+def test_bfloat16_pools(isa, max_query, dim, block):
+    """bf16 pools on each instruction set; on AVX512-BF16 the prefill runs multiply bf16
+    pairs where the head dim is a multiple of 32 and the block size even, and take the
+    AVX-512 float way otherwise."""
+    cache, plan, q = case(3, 6, 2, 3, dim, block, torch.bfloat16, depth=600, max_query=max_query)
     want = _batched_by_gathering(q.float(), cache.keys[0].float(), cache.values[0].float(), plan, 0.125, None, None)
     with tiled_isa(isa):
         got = run_kernel(q, cache, plan, 0.125, None, None)

@@ -20,9 +20,9 @@ is added between two steps, and the step that gives its first token is timed: th
 wall time of the engine's ``step()`` call that returned it. Ours keeps one step in
 flight while it builds outputs, so that call is the second after the prompt was
 added, and its first call is the decode step that was already running. ``D:0`` times
-a decode step alone (the median of eight). Settings on both sides: float32,
-max_num_seqs 64, max_num_batched_tokens 512, max_model_len 2048, prefix caching on
-(every prompt is new, so nothing is cached).
+a decode step alone (the median of eight). Settings on both sides: float32
+(``--dtype bfloat16`` for both), max_num_seqs 64, max_num_batched_tokens 512,
+max_model_len 2048, prefix caching on (every prompt is new, so nothing is cached).
 
 Each round runs the two engines one after the other, each in a fresh process, and the
 rounds alternate which goes first. It prints each case's step in ms per round, and
@@ -62,11 +62,11 @@ class Side:
     """One engine driven step by step: ``add(rid, ids, max_tokens)``, ``step`` (the
     ids and token counts of the outputs it returned), ``abort``, ``busy``."""
 
-    def __init__(self, side: str, model: str) -> None:
+    def __init__(self, side: str, model: str, dtype: str) -> None:
         if side == "vllm":
             from vllm import LLM, SamplingParams
 
-            llm = LLM(model=model, dtype="float32", seed=0, **SETTINGS)
+            llm = LLM(model=model, dtype=dtype, seed=0, **SETTINGS)
             self.engine = llm.llm_engine
 
             def add(rid: str, ids: list[int], n: int) -> None:
@@ -80,7 +80,7 @@ class Side:
             from cluster.engine import LLMEngine
             from sampler.params import RequestOutputKind, SamplingParams
 
-            self.engine = LLMEngine(EngineConfig(model=model, num_workers=1, dtype="float32",
+            self.engine = LLMEngine(EngineConfig(model=model, num_workers=1, dtype=dtype,
                                                  kv_cache_memory_bytes=4 << 30, kv_cache_prefault=True, **SETTINGS))
 
             def add(rid: str, ids: list[int], n: int) -> None:
@@ -100,10 +100,11 @@ class Side:
         return self.engine.has_unfinished_requests()
 
 
-def run_side(side: str, model: str, cases: list[tuple[int, int]], trials: int, seed: int) -> dict[str, Any]:
+def run_side(side: str, model: str, cases: list[tuple[int, int]], trials: int, seed: int,
+             dtype: str = "float32") -> dict[str, Any]:
     """Each case ``trials`` times after one warm-up trial; ms per trial."""
     rng = random.Random(seed)
-    eng = Side(side, model)
+    eng = Side(side, model, dtype)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
@@ -149,14 +150,14 @@ def run_side(side: str, model: str, cases: list[tuple[int, int]], trials: int, s
 def child(args: argparse.Namespace) -> int:
     if args.side == "vllm":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    result = run_side(args.side, args.model, parse_cases(args.cases), args.trials, args.seed)
+    result = run_side(args.side, args.model, parse_cases(args.cases), args.trials, args.seed, args.dtype)
     print(MARKER + json.dumps(result), flush=True)
     os._exit(0)  # no engine teardown in the timing process's exit path
 
 
 def run_child(side: str, py: str, env: dict[str, str], args: argparse.Namespace, seed: int) -> dict[str, list[float]]:
     cmd = [py, os.path.abspath(__file__), "--side", side, "--model", args.model, "--cases", args.cases,
-           "--trials", str(args.trials), "--seed", str(seed)]
+           "--trials", str(args.trials), "--seed", str(seed), "--dtype", args.dtype]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
@@ -172,6 +173,8 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3, help="trials per case and process, after a warm-up one")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two engines")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both engines' dtype (bfloat16 where the CPU has native bf16 matmuls)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a side's process may take")
     args = ap.parse_args()
     if args.side:
@@ -192,7 +195,7 @@ def main() -> int:
              "vllm": (peer, vs_vllm.peer_env(peer))}
     cases = [f"{d}:{p}" for d, p in parse_cases(args.cases)]
     print(f"mixed step: {vs_vllm.cpu_model()}, {len(os.sched_getaffinity(0))} CPUs; model {args.model}; "
-          f"cases {', '.join(cases)}; {args.trials} trials a case per process, {args.rounds} rounds", flush=True)
+          f"{args.dtype}; cases {', '.join(cases)}; {args.trials} trials a case per process, {args.rounds} rounds", flush=True)
     per_round: list[dict[str, dict[str, list[float]]]] = []
     for r in range(args.rounds):
         order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")

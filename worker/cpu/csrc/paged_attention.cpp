@@ -17,7 +17,8 @@
 //   and value is touched exactly once from memory.
 // - many queries per KV head (prefill runs): attend_row_tiled. Compute bound: the
 //   queries lie across the vector lanes and scores and values are two small matrix
-//   products per tile (see there).
+//   products per tile (see there); on AVX-512 with 16 lanes a vector, and for bf16
+//   pools on AVX512-BF16 as products of bf16 pairs (attend_row_tiled_bf16).
 // The hot loops use AVX2/FMA where the build has them (the loader builds for the CPU it
 // runs on), plain loops elsewhere (and attend_row for every row).
 //
@@ -735,6 +736,53 @@ RD_AVX512 inline void values16_ci(int64_t ci, const float* const* blocks, const 
   else values16<R, 1>(blocks, counts, nblocks, D, p, corr, NP, ot);
 }
 
+// One tile's scores s [nt, NP] (positions t0.., scaled) made the tile's softmax weights
+// in place: soft-capped, what a lane may not see (keys past its position, or before its
+// window) set to 0, and each lane's running max m, sum l and correction corr (the factor
+// its outputs so far take) updated: the online softmax, 16 lanes at a time.
+RD_AVX512 inline void softmax_tile512(float* s, int64_t nt, int64_t t0, int64_t first, int64_t ctx, int64_t NP,
+                                      const int32_t* pos, float* m, float* l, float* corr, const Shapes& z) {
+  const __m512 vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  if (z.softcap > 0.f)
+    for (int64_t e = 0; e < nt * NP; ++e) s[e] = z.softcap * std::tanh(s[e] / z.softcap);
+  const bool window_cut = z.window > 0 && t0 <= ctx - 1 - z.window;
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t p = t0 + t;
+    if (p <= first && !window_cut) continue;  // every lane sees it
+    const __m512i pv = _mm512_set1_epi32(static_cast<int32_t>(p));
+    const __m512i wv = _mm512_set1_epi32(static_cast<int32_t>(p + z.window));
+    float* st = s + t * NP;
+    for (int64_t i = 0; i < NP; i += 16) {
+      const __m512i lane_pos = _mm512_loadu_si512(pos + i);
+      __mmask16 hide = _mm512_cmpgt_epi32_mask(pv, lane_pos);
+      if (z.window > 0) hide |= _mm512_cmple_epi32_mask(wv, lane_pos);  // p <= pos - W
+      _mm512_storeu_ps(st + i, _mm512_mask_mov_ps(_mm512_loadu_ps(st + i), hide, vneg_inf));
+    }
+  }
+  for (int64_t i = 0; i < NP; i += 16) {
+    __m512 mx = vneg_inf;
+    for (int64_t t = 0; t < nt; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * NP + i));
+    const __m512 m_old = _mm512_loadu_ps(m + i);
+    const __m512 m_new = _mm512_max_ps(m_old, mx);
+    // A lane that has seen nothing yet keeps weight 0 (its exp base 0, no NaN).
+    const __m512 base = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, vneg_inf, _CMP_EQ_OQ),
+                                           _mm512_setzero_ps());
+    const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, vneg_inf, _CMP_NEQ_UQ),
+                                         exp16(_mm512_sub_ps(m_old, base)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m512 sv = _mm512_loadu_ps(s + t * NP + i);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, vneg_inf, _CMP_NEQ_UQ),
+                                           exp16(_mm512_sub_ps(sv, base)));
+      _mm512_storeu_ps(s + t * NP + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(l + i, _mm512_fmadd_ps(_mm512_loadu_ps(l + i), c, sum));
+    _mm512_storeu_ps(m + i, m_new);
+    _mm512_storeu_ps(corr + i, c);
+  }
+}
+
 // Per-thread buffers of the AVX-512 way: as TiledScratch with lanes rounded to 16, and a
 // whole tile of one head's keys or values as float (bf16 pools).
 struct TiledScratch512 {
@@ -753,8 +801,6 @@ RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, cons
   const int64_t NQ = nq * G, NP = (NQ + 15) / 16 * 16, NV = NP / 16;
   const int64_t first = ctx - nq, lo = first_key(first, z);
   const int32_t* table = block_table + b * z.MAXNB;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const __m512 vneg_inf = _mm512_set1_ps(neg_inf);
   float *qt = w.qt.data(), *ot = w.ot.data(), *s = w.s.data(), *m = w.m.data(), *l = w.l.data(),
         *corr = w.corr.data();
   int32_t* pos = w.pos.data();
@@ -779,46 +825,7 @@ RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, cons
           for (; r < n; ++r) scores16_ci<1>(ci, kp + r * D, D, qt + 16 * c0, NP, sb + r * NP + 16 * c0);
         }
       }
-      if (z.softcap > 0.f)
-        for (int64_t e = 0; e < nt * NP; ++e) s[e] = z.softcap * std::tanh(s[e] / z.softcap);
-      // What a lane may not see: keys past its position, or before its window.
-      const bool window_cut = z.window > 0 && t0 <= ctx - 1 - z.window;
-      for (int64_t t = 0; t < nt; ++t) {
-        const int64_t p = t0 + t;
-        if (p <= first && !window_cut) continue;  // every lane sees it
-        const __m512i pv = _mm512_set1_epi32(static_cast<int32_t>(p));
-        const __m512i wv = _mm512_set1_epi32(static_cast<int32_t>(p + z.window));
-        float* st = s + t * NP;
-        for (int64_t i = 0; i < NP; i += 16) {
-          const __m512i lane_pos = _mm512_loadu_si512(pos + i);
-          __mmask16 hide = _mm512_cmpgt_epi32_mask(pv, lane_pos);
-          if (z.window > 0) hide |= _mm512_cmple_epi32_mask(wv, lane_pos);  // p <= pos - W
-          _mm512_storeu_ps(st + i, _mm512_mask_mov_ps(_mm512_loadu_ps(st + i), hide, vneg_inf));
-        }
-      }
-      // Online softmax, 16 lanes at a time.
-      for (int64_t i = 0; i < NP; i += 16) {
-        __m512 mx = vneg_inf;
-        for (int64_t t = 0; t < nt; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t * NP + i));
-        const __m512 m_old = _mm512_loadu_ps(m + i);
-        const __m512 m_new = _mm512_max_ps(m_old, mx);
-        // A lane that has seen nothing yet keeps weight 0 (its exp base 0, no NaN).
-        const __m512 base = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, vneg_inf, _CMP_EQ_OQ),
-                                               _mm512_setzero_ps());
-        const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, vneg_inf, _CMP_NEQ_UQ),
-                                             exp16(_mm512_sub_ps(m_old, base)));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < nt; ++t) {
-          const __m512 sv = _mm512_loadu_ps(s + t * NP + i);
-          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, vneg_inf, _CMP_NEQ_UQ),
-                                               exp16(_mm512_sub_ps(sv, base)));
-          _mm512_storeu_ps(s + t * NP + i, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        _mm512_storeu_ps(l + i, _mm512_fmadd_ps(_mm512_loadu_ps(l + i), c, sum));
-        _mm512_storeu_ps(m + i, m_new);
-        _mm512_storeu_ps(corr + i, c);
-      }
+      softmax_tile512(s, nt, t0, first, ctx, NP, pos, m, l, corr, z);
       // Values: the tile's blocks at once, the outputs rescaled on the way.
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = std::min(BS, ctx - blk * BS);
@@ -844,17 +851,217 @@ RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, cons
   }
 }
 
+// ---- The lanes layout on AVX512-BF16: bf16 pools multiplied as bf16 pairs ----
+//
+// For bf16 pools where the CPU has AVX512-BF16 (VDPBF16PS: 16 lanes, each the sum of two
+// bf16 products added to a float), both products of the lanes layout take half the
+// instructions of the float way, and the keys are read from the pool as they are:
+// - scores: the reduction runs over dims, so a query lane holds dims (2e, 2e+1) as one
+//   pair (qt2 [D/2, NP] of bf16 pairs, unscaled: the scale multiplies the float scores)
+//   and a key's two adjacent dims are one 32-bit broadcast straight from the pool;
+// - values: the reduction runs over positions, so the softmax weights (float, as on the
+//   AVX-512 way) are rounded to bf16 pairs of positions (2u, 2u+1) per lane (p2
+//   [TP/2, NP]), and each tile's values are repacked as pairs of positions per dim (vp
+//   [TP/2, D]), a pair of rows interleaved by two permutes per 32 dims.
+// Scores, masking and the softmax statistics stay float; the weights' rounding to bf16
+// before the values product is what SDPA's bf16 CPU kernel does too (relative 2**-9 per
+// weight). Taken for rows whose head dim is a multiple of 32 and blocks of an even size
+// (positions pair within a block), else the AVX-512 way.
+#define RD_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,fma")))
+
+inline uint32_t bf16_pair(const c10::BFloat16* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+RD_AVX512BF16 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// Scores of R keys (rows of bf16, D apart): s[r, 16c..] = scale * sum_e k[r, 2e..2e+1] .
+// qt2[e, 16c..], e < D/2.
+template <int R, int CI>
+RD_AVX512BF16 inline void scores_bf16(const c10::BFloat16* k, int64_t D, const uint32_t* qt2, int64_t NP, float scale,
+                                      float* s) {
+  __m512 acc[R][CI];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < D / 2; ++e) {
+    __m512bh bv[CI];
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) bv[c] = as_bh(_mm512_loadu_si512(qt2 + e * NP + 16 * c));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = as_bh(_mm512_set1_epi32(static_cast<int32_t>(bf16_pair(k + r * D + 2 * e))));
+#pragma GCC unroll 4
+      for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av, bv[c]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) _mm512_storeu_ps(s + r * NP + 16 * c, _mm512_mul_ps(acc[r][c], sc));
+}
+
+// Values of R dims over a tile's n2 position pairs: ot[r, 16c..] = ot[r, 16c..] *
+// corr[16c..] + sum_u vp[u, r] . p2[u, 16c..] (vp rows D apart, p2 rows NP apart).
+template <int R, int CI>
+RD_AVX512BF16 inline void values_bf16(const uint32_t* vp, int64_t D, int64_t n2, const uint32_t* p2,
+                                      const float* corr, int64_t NP, float* ot) {
+  __m512 acc[R][CI];
+#pragma GCC unroll 4
+  for (int c = 0; c < CI; ++c) {
+    const __m512 cv = _mm512_loadu_ps(corr + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(ot + r * NP + 16 * c), cv);
+  }
+  for (int64_t u = 0; u < n2; ++u) {
+    __m512bh bv[CI];
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) bv[c] = as_bh(_mm512_loadu_si512(p2 + u * NP + 16 * c));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = as_bh(_mm512_set1_epi32(static_cast<int32_t>(vp[u * D + r])));
+#pragma GCC unroll 4
+      for (int c = 0; c < CI; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av, bv[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CI; ++c) _mm512_storeu_ps(ot + r * NP + 16 * c, acc[r][c]);
+}
+
+template <int R>
+RD_AVX512BF16 inline void scores_bf16_ci(int64_t ci, const c10::BFloat16* k, int64_t D, const uint32_t* qt2,
+                                         int64_t NP, float scale, float* s) {
+  if (ci == 3) scores_bf16<R, 3>(k, D, qt2, NP, scale, s);
+  else if (ci == 2) scores_bf16<R, 2>(k, D, qt2, NP, scale, s);
+  else scores_bf16<R, 1>(k, D, qt2, NP, scale, s);
+}
+
+template <int R>
+RD_AVX512BF16 inline void values_bf16_ci(int64_t ci, const uint32_t* vp, int64_t D, int64_t n2, const uint32_t* p2,
+                                         const float* corr, int64_t NP, float* ot) {
+  if (ci == 3) values_bf16<R, 3>(vp, D, n2, p2, corr, NP, ot);
+  else if (ci == 2) values_bf16<R, 2>(vp, D, n2, p2, corr, NP, ot);
+  else values_bf16<R, 1>(vp, D, n2, p2, corr, NP, ot);
+}
+
+// 16-bit lane indices that interleave two sources' elements from `from` on: a[from],
+// b[from], a[from + 1], b[from + 1], ... (b's indices offset by `b_at`).
+RD_AVX512BF16 inline __m512i interleave_index(int from, int b_at) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<int16_t>(from + i);
+    idx[2 * i + 1] = static_cast<int16_t>(b_at + from + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Per-thread buffers of the bf16 way.
+struct TiledScratchBf16 {
+  std::vector<uint32_t> qt2, p2, vp;
+  std::vector<float> ot, s, m, l, corr;
+  std::vector<int32_t> pos;
+  explicit TiledScratchBf16(const Shapes& z, int64_t np)
+      : qt2(z.D / 2 * np), p2((tiled_positions(z.BS) / 2 + 1) * np), vp((tiled_positions(z.BS) / 2 + 1) * z.D),
+        ot(z.D * np), s(tiled_positions(z.BS) * np), m(np), l(np), corr(np), pos(np) {}
+};
+
+RD_AVX512BF16 void attend_row_tiled_bf16(float* out, const c10::BFloat16* q, const c10::BFloat16* k_pool,
+                                         const c10::BFloat16* v_pool, const int32_t* block_table, int64_t b,
+                                         int64_t nq, int64_t ctx, const Shapes& z, TiledScratchBf16& w) {
+  const int64_t G = z.G, D = z.D, BS = z.BS, TP = tiled_positions(BS);
+  const int64_t NQ = nq * G, NP = (NQ + 15) / 16 * 16, NV = NP / 16;
+  const int64_t first = ctx - nq, lo = first_key(first, z);
+  const int32_t* table = block_table + b * z.MAXNB;
+  uint32_t *qt2 = w.qt2.data(), *p2 = w.p2.data(), *vp = w.vp.data();
+  float *ot = w.ot.data(), *s = w.s.data(), *m = w.m.data(), *l = w.l.data(), *corr = w.corr.data();
+  int32_t* pos = w.pos.data();
+  lane_positions(pos, NP, NQ, G, first, ctx);
+  const __m512i pair_lo = interleave_index(0, 32), pair_hi = interleave_index(16, 32);  // two rows' dims
+  const __m512i lanes_pair = interleave_index(0, 16);  // one vector's two halves
+  for (int64_t h = 0; h < z.HKV; ++h) {
+    // Head h's queries across the lanes as dim pairs (padding lanes 0).
+    for (int64_t e = 0; e < D / 2; ++e) std::fill(qt2 + e * NP + NQ, qt2 + (e + 1) * NP, 0u);
+    for (int64_t j = 0; j < nq; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const c10::BFloat16* src = z.q_at(q, b, j) + (h * G + g) * D;
+        for (int64_t e = 0; e < D / 2; ++e) qt2[e * NP + j * G + g] = bf16_pair(src + 2 * e);
+      }
+    std::fill(ot, ot + D * NP, 0.f);
+    std::fill(m, m + NP, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + NP, 0.f);
+    for (int64_t t0 = (lo / BS) * BS; t0 < ctx; t0 += TP) {
+      const int64_t t1 = std::min(ctx, t0 + TP), nt = t1 - t0, n2 = (nt + 1) / 2;
+      const int64_t b0 = t0 / BS, b1 = (t1 + BS - 1) / BS;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = std::min(BS, ctx - blk * BS);
+        const c10::BFloat16* kp = k_pool + (int64_t(table[blk]) * z.HKV + h) * BS * D;
+        float* sb = s + (blk * BS - t0) * NP;
+        for (int64_t c0 = 0; c0 < NV; c0 += kLanes512) {
+          const int64_t ci = std::min<int64_t>(kLanes512, NV - c0);
+          int64_t r = 0;
+          for (; r + kRows512 <= n; r += kRows512)
+            scores_bf16_ci<kRows512>(ci, kp + r * D, D, qt2 + 16 * c0, NP, z.scale, sb + r * NP + 16 * c0);
+          for (; r < n; ++r) scores_bf16_ci<1>(ci, kp + r * D, D, qt2 + 16 * c0, NP, z.scale, sb + r * NP + 16 * c0);
+        }
+        // The block's values as pairs of positions per dim (an odd last one paired with 0).
+        const c10::BFloat16* vsrc = v_pool + (int64_t(table[blk]) * z.HKV + h) * BS * D;
+        uint32_t* vdst = vp + (blk * BS - t0) / 2 * D;
+        for (int64_t u = 0; u < (n + 1) / 2; ++u)
+          for (int64_t d = 0; d < D; d += 32) {
+            const __m512i a = _mm512_loadu_si512(vsrc + 2 * u * D + d);
+            const __m512i c = 2 * u + 1 < n ? _mm512_loadu_si512(vsrc + (2 * u + 1) * D + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vdst + u * D + d, _mm512_permutex2var_epi16(a, pair_lo, c));
+            _mm512_storeu_si512(vdst + u * D + d + 16, _mm512_permutex2var_epi16(a, pair_hi, c));
+          }
+      }
+      softmax_tile512(s, nt, t0, first, ctx, NP, pos, m, l, corr, z);
+      // The weights as bf16 pairs of positions per lane (an odd last one paired with 0).
+      for (int64_t u = 0; u < n2; ++u)
+        for (int64_t i = 0; i < NP; i += 16) {
+          const __m512 a = _mm512_loadu_ps(s + 2 * u * NP + i);
+          const __m512 c = 2 * u + 1 < nt ? _mm512_loadu_ps(s + (2 * u + 1) * NP + i) : _mm512_setzero_ps();
+          const __m512bh halves = _mm512_cvtne2ps_pbh(c, a);  // a's 16 then c's 16
+          _mm512_storeu_si512(p2 + u * NP + i,
+                              _mm512_permutexvar_epi16(lanes_pair, (__m512i)halves));
+        }
+      for (int64_t c0 = 0; c0 < NV; c0 += kLanes512) {
+        const int64_t ci = std::min<int64_t>(kLanes512, NV - c0);
+        for (int64_t d = 0; d < D; d += kRows512)
+          values_bf16_ci<kRows512>(ci, vp + d, D, n2, p2 + 16 * c0, corr + 16 * c0, NP, ot + d * NP + 16 * c0);
+      }
+    }
+    finish_head(out, ot, l, b, nq, h, NP, z);
+  }
+}
+
+// Whether the bf16 way applies to these shapes (else the AVX-512 float way).
+inline bool bf16_pairs_fit(const Shapes& z) { return z.D % 32 == 0 && z.BS % 2 == 0; }
+
 #define RAYDECODE_TILED 1
 #endif
 
 #ifdef RAYDECODE_TILED
-// The way the lanes path takes: AVX-512 where the CPU has it, else AVX2; tests force
-// each one the CPU has (set_tiled_isa).
-constexpr int kTiledAvx2 = 1, kTiledAvx512 = 2;
+// The way the lanes path takes: AVX512-BF16 (bf16 pools; float pools take AVX-512) or
+// AVX-512 where the CPU has it, else AVX2; tests force each one the CPU has
+// (set_tiled_isa).
+constexpr int kTiledAvx2 = 1, kTiledAvx512 = 2, kTiledAvx512Bf16 = 3;
 std::atomic<int> g_tiled_isa{0};  // 0: the best this CPU has
 
+bool cpu_has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
 int tiled_isa() {
-  static const int best = __builtin_cpu_supports("avx512f") ? kTiledAvx512 : kTiledAvx2;
+  static const int best = cpu_has_avx512_bf16()                 ? kTiledAvx512Bf16
+                          : __builtin_cpu_supports("avx512f") ? kTiledAvx512
+                                                              : kTiledAvx2;
   const int forced = g_tiled_isa.load(std::memory_order_relaxed);
   return forced ? forced : best;
 }
@@ -910,12 +1117,22 @@ void attend(float* out, const T* q, const T* k_pool, const T* v_pool, const int3
 #ifdef RAYDECODE_TILED
   std::vector<std::unique_ptr<TiledScratch>> tws(split.threads());
   std::vector<std::unique_ptr<TiledScratch512>> tws512(split.threads());
-  const bool avx512 = tiled_isa() == kTiledAvx512;
+  std::vector<std::unique_ptr<TiledScratchBf16>> twsbf16(split.threads());
+  const int isa = tiled_isa();
+  const bool avx512 = isa >= kTiledAvx512;
+  const bool bf16_pairs = std::is_same<T, c10::BFloat16>::value && isa == kTiledAvx512Bf16 && bf16_pairs_fit(z);
 #endif
   split.run([&](int64_t i, int64_t t) {
     const int64_t b = order[i], nq = z.q_lens[b];
 #ifdef RAYDECODE_TILED
     if (nq * z.G >= kTiledMinLanes) {
+      if constexpr (std::is_same<T, c10::BFloat16>::value) {
+        if (bf16_pairs) {
+          if (!twsbf16[t]) twsbf16[t] = std::make_unique<TiledScratchBf16>(z, (z.Q * z.G + 15) / 16 * 16);
+          attend_row_tiled_bf16(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *twsbf16[t]);
+          return;
+        }
+      }
       if (avx512) {
         if (!tws512[t]) tws512[t] = std::make_unique<TiledScratch512>(z, (z.Q * z.G + 15) / 16 * 16);
         attend_row_tiled512<T>(out, q, k_pool, v_pool, block_table, b, nq, z.kv_lens[b], z, *tws512[t]);
@@ -1014,6 +1231,7 @@ void paged_attention_packed(at::Tensor out, at::Tensor q, at::Tensor k_pool, at:
 std::vector<std::string> tiled_isas() {
   std::vector<std::string> out;
 #ifdef RAYDECODE_TILED
+  if (cpu_has_avx512_bf16()) out.push_back("avx512bf16");
   if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
   out.push_back("avx2");
 #endif
@@ -1026,7 +1244,7 @@ void set_tiled_isa(const std::string& name) {
   TORCH_CHECK(name.empty() || std::find(have.begin(), have.end(), name) != have.end(),
               "paged_attention: this build or CPU has no ", name, " prefill path");
 #ifdef RAYDECODE_TILED
-  g_tiled_isa.store(name.empty() ? 0 : name == "avx512" ? kTiledAvx512 : kTiledAvx2);
+  g_tiled_isa.store(name.empty() ? 0 : name == "avx512bf16" ? kTiledAvx512Bf16 : name == "avx512" ? kTiledAvx512 : kTiledAvx2);
 #endif
 }
 
