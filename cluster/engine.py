@@ -69,6 +69,54 @@ logger = logging.getLogger("raydecode")
 IDLE_PROBE_S = 5.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One worker step as the driver merged it (``LLMEngine.on_step``; what vLLM's
+    ``--enable-logging-iteration-details`` logs per iteration). A row is a prefill row
+    when its tokens start inside its prompt (vLLM's context requests), else a decode
+    row."""
+
+    worker: int
+    step_id: int
+    #: ``time.time()`` when its reply was in
+    replied_at: float
+    #: from the step handed to the worker (the send returned; for a step queued behind
+    #: another, the moment that one ended) to its reply seen: on a tiny step the worker
+    #: may be done before the send returns, so this can be shorter than ``worker_s``
+    round_trip_s: float
+    prefill_rows: int
+    prefill_tokens: int
+    decode_rows: int
+    decode_tokens: int
+    #: the worker's own parts (``StepTimings``), None where the reply carried none
+    timings: StepTimings | None
+
+    @property
+    def worker_s(self) -> float | None:
+        """The worker's time on the step (what vLLM's iteration elapsed time covers:
+        the model and the sampler), its transport left out."""
+        t = self.timings
+        return None if t is None else t.prepare + t.forward + t.sample + t.bookkeeping
+
+
+def step_record(worker: int, step: ScheduledStep, replied_at: float, round_trip_s: float,
+                timings: StepTimings | None) -> StepRecord:
+    """``step``'s record, taken before its reply is merged (the rows' computed counts
+    are still those it started from)."""
+    prefill_rows = prefill_tokens = decode_rows = decode_tokens = 0
+    for seq, n in zip(step.rows, step.num_tokens):
+        if n <= 0:
+            continue
+        if seq.num_computed_tokens < len(seq.prompt_token_ids):
+            prefill_rows += 1
+            prefill_tokens += n
+        else:
+            decode_rows += 1
+            decode_tokens += n
+    return StepRecord(worker, step.message.step_id, replied_at, round_trip_s, prefill_rows, prefill_tokens,
+                      decode_rows, decode_tokens, timings)
+
+
 @dataclass
 class StepStats:
     """Where a step's time went (seconds, summed over steps).
@@ -169,6 +217,9 @@ class LLMEngine:
         #: and aborts that arrived while a step ran, so the step dispatched the moment the
         #: reply lands already includes them)
         self.intake: Callable[[], None] | None = None
+        #: called with each worker step's ``StepRecord`` as its reply is merged (a
+        #: diagnostic: ``raydecode serve --request-timeline`` writes them); None: off
+        self.on_step: Callable[[StepRecord], None] | None = None
 
     # -- workers ------------------------------------------------------------------------
 
@@ -524,6 +575,7 @@ class LLMEngine:
                 raise ValueError(f"it answers step {reply.step_id}")
             t1 = time.perf_counter()
             self.stats.add_worker_step(ready_at - sent.sent_at, reply.timings)
+            record = self._step_record(slot, step, ready_at - sent.sent_at, reply.timings)
             before = self.metrics.before_reply(step.rows)
             changed = apply_reply(step, reply)
             slot.scheduler.register_computed(step.rows)  # before finished ones are freed
@@ -534,6 +586,8 @@ class LLMEngine:
         self.last_progress = time.monotonic()
         try:  # monitoring must never cost a step
             self.metrics.after_reply(step.rows, before, reply)
+            if record is not None:
+                self.on_step(record)
         except Exception:
             logger.exception("metrics of step %d could not be recorded", step.message.step_id)
         for request in changed:
@@ -541,6 +595,18 @@ class LLMEngine:
             self._pending_outputs[request.request_id] = request
         self.stats.decode += t1 - t0
         self.stats.merge += time.perf_counter() - t1
+
+    def _step_record(self, slot: WorkerSlot, step: ScheduledStep, round_trip_s: float,
+                     timings: StepTimings | None) -> StepRecord | None:
+        """The step's record for ``on_step`` (None when off; a diagnostic never fails a
+        step)."""
+        if self.on_step is None:
+            return None
+        try:
+            return step_record(slot.index, step, time.time(), round_trip_s, timings)
+        except Exception:
+            logger.exception("the record of step %d could not be taken", step.message.step_id)
+            return None
 
     def _step_failed(self, slot: WorkerSlot, step: ScheduledStep | None, reason: str, lost: bool) -> None:
         """A step that will not come back (see the module docstring). ``lost``: the

@@ -29,6 +29,7 @@ from openai.types import Model
 from pydantic import ValidationError
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.engine import StepRecord
 from cluster.outputs import RequestOutput
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, bad_request
@@ -179,6 +180,8 @@ class EngineServer:
             max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
         )
         self.timeline = TimelineLog(self.args.request_timeline)
+        if self.timeline.enabled:
+            self.llm.engine.on_step = self._trace_step
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop stopped or is
@@ -302,6 +305,16 @@ class EngineServer:
             "stage": "engine", "id": key, "in": started, "queued": m.arrival_time,
             "scheduled": m.first_scheduled_time, "first_token": m.first_token_time, "first_event": first_event,
             "prompt_tokens": len(request.prompt_token_ids), "cached_tokens": request.sequences[0].num_cached_tokens,
+        })
+
+    def _trace_step(self, record: StepRecord) -> None:
+        """A worker step's line of the timeline (on the engine's thread)."""
+        self.timeline.write({
+            "stage": "step", "worker": record.worker, "step_id": record.step_id, "at": record.replied_at,
+            "round_trip": record.round_trip_s, "worker_time": record.worker_s,
+            "forward": record.timings.forward if record.timings is not None else None,
+            "prefill_rows": record.prefill_rows, "prefill_tokens": record.prefill_tokens,
+            "decode_rows": record.decode_rows, "decode_tokens": record.decode_tokens,
         })
 
     async def _events(self, rid: str, kind: str, body: SamplingFields, streams: list,

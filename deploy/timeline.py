@@ -1,5 +1,5 @@
-"""Where a served request's time goes: one JSON line per request and per stage, for
-finding where a first token's time is spent (``raydecode serve --request-timeline
+"""Where a served request's time goes: one JSON line per request and per stage (and one
+per worker step), for finding where a first token's time is spent (``raydecode serve --request-timeline
 PATH``, ``ServerArgs.request_timeline``; off by default).
 
 Each stage appends its own line to ``PATH`` on its own node, keyed by ``id``: the
@@ -18,9 +18,14 @@ machine (and a client's own clock there) line up.
            sampled its first token was merged; ``first_event``: its first event text
            left this replica; ``prompt_tokens``, ``cached_tokens`` (of the prompt,
            found in the prefix cache).
+  step     one line per worker step as the engine merged it (``cluster.engine.StepRecord``:
+           what vLLM logs with ``--enable-logging-iteration-details``): ``at`` (its
+           reply was in), ``round_trip``, ``worker_time`` (the worker's own: model and
+           sampler), ``forward``, ``prefill_rows``, ``prefill_tokens``, ``decode_rows``,
+           ``decode_tokens``; keyed by ``worker`` and ``step_id`` instead of ``id``.
 
 ``tests/bench/vs_vllm.py`` joins these with the client's send and first-byte times and
-prints the percentiles of each segment.
+prints the percentiles of each segment, and sets the steps beside vLLM's iterations.
 """
 
 from __future__ import annotations

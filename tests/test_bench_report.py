@@ -61,3 +61,31 @@ def test_bench_command_runs_scripts_and_writes_the_table(tmp_path):
     md = (out / "results.md").read_text()
     assert "| logprobs_merge | GC-tracked objects kept" in md and ": met |" in md
     assert "== results" in proc.stdout
+
+
+def test_steps_of_both_servers_land_in_the_same_bins(tmp_path):
+    """vs_vllm's served steps: vLLM's iteration log lines (from an offset, its dummy
+    iterations left out) and our timeline's step lines (within the level's window) are
+    binned alike by the prompt tokens a step carried."""
+    from _timeline import ours_steps, step_bins, vllm_steps
+
+    log = tmp_path / "vllm.log"
+    line = ("(APIServer pid=1) INFO 11-28 01:53:57 [loggers.py:199] Engine 000: Iteration({i}): {c} context "
+            "requests, {ct} context tokens, {g} generation requests, {g} generation tokens, iteration elapsed "
+            "time: {ms} ms{dummy}, CPU KV cache usage: 0.3%\n")
+    before = line.format(i=0, c=1, ct=48, g=0, ms="30.00", dummy="")
+    log.write_text(before + line.format(i=1, c=0, ct=0, g=8, ms="17.00", dummy="")
+                   + line.format(i=2, c=0, ct=0, g=0, ms="0.00", dummy=" (dummy)")
+                   + line.format(i=3, c=2, ct=512, g=4, ms="170.50", dummy="")
+                   + line.format(i=4, c=0, ct=0, g=8, ms="19.00", dummy=""))
+    peer = step_bins(vllm_steps(log, len(before)))
+    assert peer["decode only"]["n"] == 2 and peer["decode only"]["ms"] == pytest.approx(18.0)
+    assert peer["512 (the budget)"] == {"n": 1, "prefill_tokens": 512, "decode_rows": 4, "ms": pytest.approx(170.5)}
+    lines = [{"stage": "engine", "id": "x", "in": 5.0},
+             {"stage": "step", "at": 9.0, "prefill_tokens": 300, "decode_rows": 2, "worker_time": 0.1, "round_trip": 0.11},
+             {"stage": "step", "at": 11.0, "prefill_tokens": 300, "decode_rows": 2, "worker_time": 0.12, "round_trip": 0.13},
+             {"stage": "step", "at": 12.0, "prefill_tokens": 0, "decode_rows": 8, "worker_time": None, "round_trip": 0.02},
+             {"stage": "step", "at": 30.0, "prefill_tokens": 0, "decode_rows": 8, "worker_time": 0.02, "round_trip": 0.03}]
+    ours = step_bins(ours_steps(lines, 10.0, 20.0))
+    assert list(ours) == ["256-383"]
+    assert ours["256-383"]["ms"] == pytest.approx(120.0) and ours["256-383"]["round_trip_ms"] == pytest.approx(130.0)

@@ -318,3 +318,31 @@ def test_abort_frees_waiting_and_running_requests_at_once(ray_local, tiny_model_
         assert len(after.outputs[0].token_ids) == 5
     finally:
         llm.shutdown()
+
+
+def test_step_records_account_for_every_computed_token(llm):
+    """``LLMEngine.on_step`` (what ``--request-timeline`` writes per step): every prompt
+    token not found in the prefix cache is computed in a prefill row of some step, every
+    sampled token but the last is fed back in a decode row, no step carries more than
+    the step budget, and a long prompt's chunks share steps with other rows' decodes."""
+    import random
+
+    rng = random.Random(11)
+    lengths = (150, 7, 90, 33)
+    token_prompts = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(n)]} for n in lengths]
+    records = []
+    llm.engine.on_step = records.append
+    try:
+        outputs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.engine.on_step = None
+    computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in outputs)
+    assert computed > 0
+    assert sum(r.prefill_tokens for r in records) == computed
+    assert sum(r.decode_tokens for r in records) == sum(r.decode_rows for r in records) == len(lengths) * (6 - 1)
+    assert max(r.prefill_tokens + r.decode_tokens for r in records) <= 64
+    assert any(r.prefill_rows and r.decode_rows for r in records)
+    assert {r.worker for r in records} <= {0, 1}
+    timed = [r for r in records if r.timings is not None]
+    assert timed and all(0 < r.timings.forward <= r.worker_s and r.round_trip_s > 0 for r in timed)

@@ -616,7 +616,7 @@ def _timeline_lines(path: str, key: str, stages: set[str], timeout_s: float = 10
             with open(path) as f:
                 for line in f:
                     rec = json.loads(line)
-                    if rec["id"] == key:
+                    if rec.get("id") == key:
                         found[rec["stage"]] = rec
         if set(found) >= stages or time.monotonic() > deadline:
             return found
@@ -626,7 +626,8 @@ def _timeline_lines(path: str, key: str, stages: set[str], timeout_s: float = 10
 def test_request_timeline_records_each_stage_in_order(server, timeline):
     """``request_timeline``: a streamed completion sent with an ``X-Request-Id`` leaves
     one ingress line and one engine line under that id, their stamps in the order the
-    request went through them, between the client's own send and first byte."""
+    request went through them, between the client's own send and first byte; the
+    engine's steps leave a line each."""
     rid = "timeline-" + os.urandom(4).hex()
     sent = time.time()
     first = None
@@ -649,6 +650,13 @@ def test_request_timeline_records_each_stage_in_order(server, timeline):
     assert ing["in"] <= ing["head"] <= ing["first_text"]
     assert eng["prompt_tokens"] == usage["prompt_tokens"]
     assert 0 <= eng["cached_tokens"] <= eng["prompt_tokens"]
+    # The engine's steps have lines of their own: the one that computed the rest of this
+    # prompt came in between its first scheduling and its first token.
+    with open(timeline) as f:
+        steps = [rec for rec in map(json.loads, f) if rec["stage"] == "step"]
+    assert steps and all(rec["round_trip"] > 0 and rec["worker_time"] >= rec["forward"] > 0
+                         for rec in steps if rec["worker_time"] is not None)
+    assert any(eng["scheduled"] <= rec["at"] <= eng["first_token"] and rec["prefill_tokens"] > 0 for rec in steps)
 
     # Without a client id the engine still writes its line: under the id the request
     # reached it with (Serve's proxy may give one), which the response id carries; a

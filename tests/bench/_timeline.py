@@ -1,4 +1,5 @@
-"""Where a served first token's time goes (issue 38), from two sources:
+"""Where a served first token's time goes (issue 38), from two sources, and the steps
+that carried it:
 
 * ours: the client's records (``_load_generator``: ``X-Request-Id``, send and first
   token wall times) joined with ``raydecode serve --request-timeline``'s lines
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,8 @@ def segments(records: list[RequestRecord], lines: list[dict[str, Any]]) -> dict[
     """Seconds per segment (``SEGMENTS``) over the requests found in both sources."""
     stages: dict[str, dict[str, float]] = {}
     for line in lines:
+        if line.get("stage") == "step":
+            continue
         stamps = stages.setdefault(line.get("id", ""), {})
         for k, v in line.items():
             if isinstance(v, (int, float)) and k not in ("prompt_tokens", "cached_tokens"):
@@ -144,3 +149,78 @@ def print_breakdown(label: str, level: int, segs: dict[str, list[float]] | None,
             if h["count"] > 0:
                 print(f"      {name + ', /metrics':34s} p50 {h['p50']:7.3f}  p99 {h['p99']:7.3f}  "
                       f"mean {h['mean']:7.3f}  (n={h['count']:.0f}, bucket-interpolated)")
+
+
+# -- the steps ------------------------------------------------------------------------
+
+#: prompt tokens a step carried: (label, low, high) with low <= tokens < high
+STEP_BINS = (("decode only", 0, 1), ("1-127 prompt tokens", 1, 128), ("128-255", 128, 256), ("256-383", 256, 384),
+             ("384-511", 384, 512), ("512 (the budget)", 512, 1 << 30))
+_ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
+                        r"(\d+) generation tokens, iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
+
+
+def ours_steps(lines: list[dict[str, Any]], since: float, until: float) -> list[dict[str, float]]:
+    """Our steps whose replies came in between ``since`` and ``until`` (``time.time()``):
+    prompt tokens, decode rows, the worker's time (s) and the round trip (s)."""
+    return [{"prefill_tokens": ln["prefill_tokens"], "decode_rows": ln["decode_rows"], "time_s": ln["worker_time"],
+             "round_trip_s": ln["round_trip"]}
+            for ln in lines if ln.get("stage") == "step" and since <= ln.get("at", 0.0) <= until
+            and ln.get("worker_time") is not None]
+
+
+def vllm_steps(log: Path, offset: int) -> list[dict[str, float]]:
+    """vLLM's iterations logged from byte ``offset`` of its server log on."""
+    if not log.exists():
+        return []
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return [{"prefill_tokens": int(m[2]), "decode_rows": int(m[3]), "time_s": float(m[5]) / 1e3}
+            for m in _ITERATION.finditer(text)]
+
+
+def step_bins(steps: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per bin of ``STEP_BINS``: steps, mean prompt tokens and decode rows, the median
+    time (ms) and, for ours, the median round trip (ms)."""
+    out = {}
+    for label, lo, hi in STEP_BINS:
+        got = [s for s in steps if lo <= s["prefill_tokens"] < hi]
+        if not got:
+            continue
+        row = {"n": len(got), "prefill_tokens": statistics.fmean(s["prefill_tokens"] for s in got),
+               "decode_rows": statistics.fmean(s["decode_rows"] for s in got),
+               "ms": statistics.median(s["time_s"] for s in got) * 1e3}
+        if all("round_trip_s" in s for s in got):
+            row["round_trip_ms"] = statistics.median(s["round_trip_s"] for s in got) * 1e3
+        out[label] = row
+    return out
+
+
+def print_steps(label: str, level: int, bins: dict[str, dict[str, float]]) -> None:
+    if not bins:
+        return
+    print(f"    {label} at {level} streams: its steps by the prompt tokens they carried (median ms)")
+    for name, b in bins.items():
+        trip = f", round trip {b['round_trip_ms']:.1f}" if "round_trip_ms" in b else ""
+        print(f"      {name:22s} n={b['n']:<5d} {b['ms']:7.1f} ms{trip}  (prompt tokens {b['prefill_tokens']:.0f}, "
+              f"decode rows {b['decode_rows']:.1f})")
+
+
+def print_steps_side_by_side(level: int, ours: list[dict[str, dict[str, float]]],
+                             peer: list[dict[str, dict[str, float]]]) -> None:
+    """The steps of every run at ``level``: each bin's median over the runs, ours (the
+    worker's time) against vLLM's (its iteration time), and vLLM / ours (> 1: ours
+    shorter)."""
+    if not ours or not peer:
+        return
+    print(f"served c={level}: the steps, ours (the worker's time) against vLLM's (iteration elapsed time), "
+          "median ms over the runs' medians")
+    for name, _, _ in STEP_BINS:
+        o = [b[name] for b in ours if name in b]
+        p = [b[name] for b in peer if name in b]
+        if not o or not p:
+            continue
+        om, pm = statistics.median(b["ms"] for b in o), statistics.median(b["ms"] for b in p)
+        print(f"  {name:22s} ours {om:7.1f} (n={sum(b['n'] for b in o)})  vLLM {pm:7.1f} (n={sum(b['n'] for b in p)})  "
+              f"{pm / om:.2f}x")

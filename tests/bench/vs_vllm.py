@@ -53,7 +53,11 @@ so both make exactly the tokens asked for):
             and first-byte times), for both from their ``/metrics`` histograms. Each
             level also prints how the load generator fared (its event loop's longest
             hold-up, its seconds waiting for a CPU): a starved client stalls every
-            stream at once.
+            stream at once. And each level prints its steps, binned by the prompt
+            tokens they carried (ours: the timeline's step lines; vLLM: the lines of
+            its ``--enable-logging-iteration-details``, which the bench turns on), and
+            after the runs the two side by side: a served mixed step, ours against
+            vLLM's, at the same budget.
             ``--pairs N`` runs the two servers N times, alternating; the table gives
             medians and the ratios' spread.
   prefix    on the same servers: 64 chat-like requests (the chat template rendered to
@@ -128,7 +132,10 @@ from transformers import AutoTokenizer  # noqa: E402
 from _load_generator import LoadRequest, LoadResult, percentile, run_load, served_model, wait_ready  # noqa: E402
 from _process_cpu import CpuSnapshot  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
-from _timeline import engine_view, print_breakdown, read_lines, scrape, segments  # noqa: E402
+from _timeline import (  # noqa: E402
+    engine_view, ours_steps, print_breakdown, print_steps, print_steps_side_by_side, read_lines, scrape, segments,
+    step_bins, vllm_steps,
+)
 from helpers import free_port  # noqa: E402
 from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, run_ours  # noqa: E402
 from worker.runner.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
@@ -460,6 +467,8 @@ class Served:
     ready_s: float = math.nan
     version: str | None = None
     levels: dict[int, Figures] = field(default_factory=dict)
+    #: per level, its steps binned by the prompt tokens they carried (``step_bins``)
+    steps: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     prefix: Figures | None = None
     error: str | None = None
 
@@ -482,7 +491,9 @@ def peer_server_cmd(py: str, model_dir: str, port: int) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", DTYPE,
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-            "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching", "--seed", "0"]
+            "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching", "--seed", "0",
+            # a log line per step, for the steps side by side (ours: the request timeline)
+            "--enable-logging-iteration-details"]
 
 
 @dataclass
@@ -538,7 +549,8 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
     """Starts one server (:func:`launched`), runs the levels (and the prefix workload),
     and always stops it. Each level prints where its first tokens' time went: from
     ``/metrics`` (either server) and, with ``timeline`` (ours' request timeline file),
-    per segment of the path."""
+    per segment of the path; then its steps, from the timeline's step lines (ours) or
+    the server log's iteration lines (vLLM)."""
     out = Served()
     try:
         with launched(label, cmd_for_port, env, log, warm, ready_timeout_s) as server:
@@ -552,7 +564,9 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                 time.sleep(1.5)  # ours: what came before (the warm-up) has reached /metrics
                 before = scrape(base)
                 cpu_before = CpuSnapshot.take()
+                log_at, started = log.stat().st_size if log.exists() else 0, time.time()
                 res = run_load(base, model, reqs, concurrency=c)
+                ended = time.time()
                 cpu = CpuSnapshot.take().since(cpu_before)
                 time.sleep(1.5)  # ours: the replicas push their metrics every second
                 after = scrape(base)
@@ -566,8 +580,12 @@ def served_run(label: str, cmd_for_port: Any, env: dict[str, str], log: Path, wa
                       f"TPOT p50 {percentile(f.tpot, 50) * 1e3:.1f} ms, goodput {f.goodput:.2f} req/s", flush=True)
                 print(f"    {res.client.summary()}", flush=True)
                 print(f"    {cpu.summary()}", flush=True)
-                segs = segments(res.records, read_lines(timeline)) if timeline is not None else None
+                lines = read_lines(timeline) if timeline is not None else []
+                segs = segments(res.records, lines) if timeline is not None else None
                 print_breakdown(label, c, segs, engine_view(before, after))
+                out.steps[c] = step_bins(ours_steps(lines, started, ended) if timeline is not None
+                                         else vllm_steps(log, log_at))
+                print_steps(label, c, out.steps[c])
             if prefix is not None:
                 reqs, conc = prefix
                 print(f"  {label}: shared prefix, {len(reqs)} requests at concurrency {conc} ...", flush=True)
@@ -851,6 +869,10 @@ def main() -> None:
                 notes.append(f"prefix, {who} server: {srv.prefix.error}")
         if levels:
             served_rows(table, list(levels), ours_runs, peer_runs)
+            print()
+            for c in levels:
+                print_steps_side_by_side(c, [r.steps[c] for r in ours_runs if c in r.steps],
+                                         [r.steps[c] for r in peer_runs if c in r.steps])
             per_txt = (str(args.requests_per_level) if args.requests_per_level else
                        "max(4, concurrency)" if q else "max(8, min(256, 8 x concurrency))")
             if args.pairs > 1:
