@@ -190,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
     srv.add_argument("--request-timeline", type=Path, default=None, metavar="PATH",
                      help="append one JSON line per request and stage (ingress, engine) to PATH: where its time to "
-                          "first token went (send an X-Request-Id to join the stages); off by default")
+                          "first token went (send an X-Request-Id to join the stages), and one per engine step; "
+                          "off by default")
     t = srv.add_argument_group("tools and structured outputs (vLLM's flags)")
     t.add_argument("--tool-call-parser", choices=_tool_parser_names(), default=None,
                    help="the model's tool call format, parsed for tool_choice \"auto\": hermes (Hermes 2 Pro / 3, "
