@@ -1,6 +1,6 @@
 """Where a served request's time goes: one JSON line per request and per stage (and one
-per worker step), for finding where a first token's time is spent (``raydecode serve --request-timeline
-PATH``, ``ServerArgs.request_timeline``; off by default).
+per worker step), for finding where a first token's time is spent (``raydecode serve
+--request-timeline PATH``, ``ServerArgs.request_timeline``; off by default).
 
 Each stage appends its own line to ``PATH`` on its own node, keyed by ``id``: the
 client's ``X-Request-Id`` (or the body's ``request_id``; behind Serve's proxy, the id

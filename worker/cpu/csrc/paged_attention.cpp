@@ -1244,7 +1244,10 @@ void set_tiled_isa(const std::string& name) {
   TORCH_CHECK(name.empty() || std::find(have.begin(), have.end(), name) != have.end(),
               "paged_attention: this build or CPU has no ", name, " prefill path");
 #ifdef RAYDECODE_TILED
-  g_tiled_isa.store(name.empty() ? 0 : name == "avx512bf16" ? kTiledAvx512Bf16 : name == "avx512" ? kTiledAvx512 : kTiledAvx2);
+  g_tiled_isa.store(name.empty()           ? 0
+                    : name == "avx512bf16" ? kTiledAvx512Bf16
+                    : name == "avx512"     ? kTiledAvx512
+                                           : kTiledAvx2);
 #endif
 }
 
