@@ -11,7 +11,8 @@ checkout. Stages, in this order (``--only STAGE`` runs one alone):
   tests   ``pytest -m cuda -v`` over the test files that mark a test ``cuda`` (junit XML
           kept; each failure's traceback printed as it happens), a per-test timeout
           where pytest-timeout is installed, the whole bounded;
-  bench   ``tests/bench/gpu.py --quick --profile`` where that file exists.
+  bench   ``tests/bench/gpu.py --quick --profile`` where that file exists (``--bench-args``
+          sets its arguments).
 
 Every stage but the static check needs the bundle installed: after the install the script
 re-executes itself with PYTHONPATH = <the target>:<repo root>. The whole default run is
@@ -368,7 +369,7 @@ class Check:
         if budget < 20:
             self.summary.add("bench", "skip", 0.0, f"no time left ({self.left():.0f} s of the budget)")
             return
-        rc, secs, text = tee([sys.executable, str(BENCH.relative_to(REPO)), "--quick", "--profile"],
+        rc, secs, text = tee([sys.executable, str(BENCH.relative_to(REPO)), *self.args.bench_args.split()],
                              self.out / "bench.log", budget, self.env())
         tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or [""]
         self.summary.add("bench", "pass" if rc == 0 else ("timeout" if rc is None else "fail"), secs,
@@ -418,6 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tests-timeout", type=float, default=170)
     ap.add_argument("--per-test-timeout", type=int, default=90)
     ap.add_argument("--bench-timeout", type=float, default=100)
+    ap.add_argument("--bench-args", default="--quick --profile",
+                    help="arguments of tests/bench/gpu.py (default: --quick --profile)")
     ap.add_argument("--all-files", action="store_true",
                     help="collect all of tests/ (default: only the files that mark a test cuda)")
     ap.add_argument("--rehearse", action="store_true",

@@ -193,6 +193,30 @@ def test_compiled_flex_on_cuda_equals_the_torch_path(dtype):
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=f"shape {seed}: {q_lens}")
 
 
+def test_a_plan_built_on_the_host_equals_one_built_on_the_gpu():
+    """A CUDA graph's refill builds each decode step's plan on the host (``on_host``),
+    shaped for CUDA, and copies it in: tensor for tensor it equals the plan built on the
+    GPU, and the block positions the mask function reads arrive on the GPU."""
+    from helpers import random_paged_case
+    from worker.runner.attention_plan import AttentionPlan
+    from worker.runner.cuda_graphs import _plan_tensors
+    from worker.runner.flex_attention import FlexPagedAttention
+
+    cache, rows, cached, lens, table, _ = random_paged_case(3, [1] * 9, 70, 2, 4, 64, 16, torch.bfloat16, 2)
+    device = torch.device("cuda")
+    on_gpu, on_host = FlexPagedAttention(8, 2), FlexPagedAttention(8, 2)
+    want = AttentionPlan.build(cache, rows, cached, lens, table, device, on_gpu, static=True)
+    got = AttentionPlan.build(cache, rows, cached, lens, table, device, on_host, static=True, on_host=True)
+    assert got.device == device and got.token_positions.device.type == "cpu"
+    pairs = list(zip(_plan_tensors(got), _plan_tensors(want), strict=True))
+    for i, (g, w) in enumerate(pairs):
+        assert g.shape == w.shape and g.dtype == w.dtype, f"tensor {i}"
+        assert torch.equal(g, w.cpu()), f"tensor {i}"
+    torch.cuda.synchronize()
+    assert on_host._block_logical.device.type == "cuda"
+    torch.testing.assert_close(on_host._block_logical, on_gpu._block_logical)
+
+
 def _float(cache):
     from worker.runner.kv_pool import PagedKVCache
 

@@ -154,3 +154,20 @@ def test_query_tiles_are_powers_of_two(q_lens):
         q_tile, kv_tile = call.block_mask.BLOCK_SIZE
         assert q_tile >= 16 and q_tile & (q_tile - 1) == 0, q_tile
         assert kv_tile == 16
+
+
+def test_compiled_norms_give_the_tokens_of_transformers_norms(tiny_model_path):
+    """``compiled_norms`` (on for CUDA workers) swaps each RMSNorm's forward for its
+    compiled self; on the CPU, in float32, the tokens and logprobs are those of
+    transformers' own norms (prefill chunks, decodes, prefix hits, drafts)."""
+    from helpers import make_worker
+
+    w = make_worker(tiny_model_path, compiled_norms=True, cpu_fused_decoder=False)
+    norms = [m for m in w._runner.model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all("forward" in m.__dict__ for m in norms)
+    del w
+    fused = greedy_run(tiny_model_path, flex_attention=True, compiled_norms=True, cpu_fused_decoder=False)
+    plain = greedy_run(tiny_model_path, flex_attention=True, cpu_fused_decoder=False)
+    for rid in plain:
+        assert fused[rid][0] == plain[rid][0], rid
+        assert fused[rid][1] == pytest.approx(plain[rid][1], abs=1e-5)

@@ -117,38 +117,52 @@ def ours(path: str, reqs_by_name: dict[str, list[e2e.Req]], kv_tokens: int, max_
 
 
 def decode_step(path: str, rows: int, context: int, steps: int, device: str = "cuda", profile: bool = False,
-                **config: Any) -> float:
+                plan_on_host: bool = True, **config: Any) -> tuple[float, float]:
     """Median seconds of a decode step at ``rows`` rows ``context`` tokens deep (the
-    in-process worker, its step as the engine sends it); ``profile``: the torch profiler
-    over five more decode steps, its summary printed (``where_the_time_goes``)."""
+    in-process worker, its step as the engine sends it, the driver's side included),
+    and of the worker's own part of it; ``profile``: the torch profiler over five more
+    decode steps, its summary printed (``where_the_time_goes``); ``plan_on_host``: CUDA
+    graphs' plans built on the host (False: on the GPU, as before 2026-11-28)."""
     from helpers import make_worker
     from sampler.params import SamplingParams
+    from worker.runner.cuda_graphs import DecodeGraphs
     from worker_driver import MiniDriver
 
+    DecodeGraphs.plan_on_host = plan_on_host
     w = make_worker(path, device=device, dtype="bfloat16", max_num_seqs=rows, max_model_len=context + steps + 8,
                     **config)
-    d = MiniDriver(w.step, max_rows=rows, token_budget=8192, chunk=context, num_blocks=w._runner.kv.num_blocks)
+    worker_times: list[float] = []
+
+    def timed_step(msg: bytes) -> bytes:
+        t = time.perf_counter()
+        reply = w.step(msg)
+        worker_times.append(time.perf_counter() - t)
+        return reply
+
+    d = MiniDriver(timed_step, max_rows=rows, token_budget=8192, chunk=context, num_blocks=w._runner.kv.num_blocks)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     for i in range(rows):
         d.submit(f"r{i}", torch.randint(1, min(30000, w._runner.loaded.vocab_size), (context,), generator=g).tolist(), params)
-    times = []
+    times, own = [], []
     while d.waiting or d.rows:
         decoding = bool(d.rows) and not d.waiting and all(r.computed >= len(r.prompt) for r in d.rows)
         t0 = time.perf_counter()
         d.step()
         if decoding:
             times.append(time.perf_counter() - t0)
+            own.append(worker_times[-1])
         if d.rows and all(r.done() for r in d.rows) and not d.waiting:
             break
         if profile and len(times) == max(steps - 16, 1):
             d.step_fn = w._step  # the worker's step on this thread, where the profilers look
             where_the_time_goes(d.step, 5)
-            d.step_fn = w.step
+            d.step_fn = timed_step
     del w
+    DecodeGraphs.plan_on_host = True
     if device == "cuda":
         torch.cuda.empty_cache()
-    return statistics.median(times[3:])
+    return statistics.median(times[3:]), statistics.median(own[3:])
 
 
 def main() -> None:
@@ -158,6 +172,8 @@ def main() -> None:
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="skip ours with cuda_graphs")
     ap.add_argument("--profile", action="store_true", help="the torch profiler over each decode-step variant")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="the decode step alone: CUDA graphs with and without this change's parts, and eager")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA here: this benchmark needs a GPU")
@@ -183,6 +199,10 @@ def main() -> None:
     print(f"model: random Llama {LLAMA_1B}, bfloat16; {n} requests, prompts {prompt_len[0]}-{prompt_len[1]}, "
           f"outputs {out_len[0]}-{out_len[1]}, ignore_eos")
 
+    if args.decode_only:
+        print_steps(*decode_steps(path, bandwidth, DECODE_VARIANTS, args.profile))
+        print(f"bench wall {time.perf_counter() - t_start:.0f} s")
+        return
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     results: dict[str, dict[str, tuple[e2e.Result, float]]] = {}
     print("running ours (eager) ...", flush=True)
@@ -218,18 +238,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
 
-    print("decode step at batch 64, 512 deep ...", flush=True)
-    weights = _weight_bytes(path)
-    kv_bytes = 64 * (512 + 16) * 2 * LLAMA_1B["num_hidden_layers"] * LLAMA_1B["num_key_value_heads"] * (
-        LLAMA_1B["hidden_size"] // LLAMA_1B["num_attention_heads"]) * 2
-    floor = (weights + kv_bytes) / bandwidth
-    steps: dict[str, float] = {}
-    for label, config in (("gather + SDPA", {"flex_attention": False}), ("FlexAttention", {"cuda_graphs": False}),
-                          ("FlexAttention + CUDA graphs", {"cuda_graphs": True})):
-        try:
-            steps[label] = decode_step(path, 64, 512, 40, profile=args.profile, **config)
-        except Exception as exc:  # noqa: BLE001
-            print(f"  decode step with {label} failed: {type(exc).__name__}: {exc}")
+    floor, steps = decode_steps(path, bandwidth, STANDING_VARIANTS, args.profile)
 
     rows: list[Row] = []
     table: list[tuple[str, ...]] = []
@@ -258,10 +267,8 @@ def main() -> None:
     for r in [head, *table]:
         print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
     print()
-    print(f"decode step, batch 64, 512 deep: floor {floor * 1e3:.2f} ms "
-          f"(weights {weights / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB at {bandwidth / 1e12:.2f} TB/s)")
-    for label, secs in steps.items():
-        print(f"  {label}: {secs * 1e3:.2f} ms ({secs / floor:.1f}x the floor)")
+    print_steps(floor, steps)
+    for label, (secs, _) in steps.items():
         rows.append(Row(f"decode step b64x512, {label}", f"{secs * 1e3:.2f} ms", f"{floor * 1e3:.2f} ms floor",
                         f"{secs / floor:.1f}x floor", f"<= {TARGET_FLOOR}x", secs / floor <= TARGET_FLOOR))
     for row in rows:
@@ -271,6 +278,55 @@ def main() -> None:
     emit("gpu", rows, notes=[f"{name}; random Llama ~1B bf16; {n} requests", "cb: transformers' continuous "
                              f"batching manager, per-request max_new_tokens, 64 rows, {STEP_TOKENS}-token budget, KV for the "
                              "workload; static: generate, left-padded batches of 16"])
+
+
+#: the decode-step variants of the standing table: (label, worker settings)
+STANDING_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("gather + SDPA", {"flex_attention": False}),
+    ("FlexAttention", {"cuda_graphs": False}),
+    ("FlexAttention + CUDA graphs", {"cuda_graphs": True}),
+)
+#: ``--decode-only``: the graphed step with and without its parts (norms compiled, the
+#: plan built on the host), then eager
+DECODE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("graphs, plan on the host, norms compiled", {"cuda_graphs": True}),
+    ("graphs, plan on the GPU, norms not compiled", {"cuda_graphs": True, "compiled_norms": False,
+                                                     "plan_on_host": False}),
+    ("graphs, plan on the host, norms not compiled", {"cuda_graphs": True, "compiled_norms": False}),
+    ("FlexAttention eager, norms compiled", {"cuda_graphs": False}),
+    ("FlexAttention eager, norms not compiled", {"cuda_graphs": False, "compiled_norms": False}),
+)
+
+
+def decode_steps(path: str, bandwidth: float, variants: tuple[tuple[str, dict[str, Any]], ...],
+                 profile: bool) -> tuple[float, dict[str, tuple[float, float]]]:
+    """The floor of a decode step at batch 64, 512 deep, and each variant's step (the
+    whole, the worker's own), printed."""
+    from tiny_model import LLAMA_1B
+
+    print("decode step at batch 64, 512 deep ...", flush=True)
+    weights = _weight_bytes(path)
+    kv_bytes = 64 * (512 + 16) * 2 * LLAMA_1B["num_hidden_layers"] * LLAMA_1B["num_key_value_heads"] * (
+        LLAMA_1B["hidden_size"] // LLAMA_1B["num_attention_heads"]) * 2
+    floor = (weights + kv_bytes) / bandwidth
+    print(f"floor {floor * 1e3:.2f} ms (weights {weights / 2**30:.2f} GiB + KV {kv_bytes / 2**30:.2f} GiB at "
+          f"{bandwidth / 1e12:.2f} TB/s)", flush=True)
+    steps: dict[str, tuple[float, float]] = {}
+    for label, config in variants:
+        try:
+            steps[label] = decode_step(path, 64, 512, 40, profile=profile and (not steps or len(variants) == 3),
+                                       **config)
+            print(f"  {label}: {steps[label][0] * 1e3:.2f} ms", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  decode step with {label} failed: {type(exc).__name__}: {exc}", flush=True)
+    return floor, steps
+
+
+def print_steps(floor: float, steps: dict[str, tuple[float, float]]) -> None:
+    print(f"decode step, batch 64, 512 deep: floor {floor * 1e3:.2f} ms")
+    for label, (secs, own) in steps.items():
+        print(f"  {label}: {secs * 1e3:.2f} ms ({secs / floor:.1f}x the floor); the worker's own "
+              f"{own * 1e3:.2f} ms ({own / floor:.1f}x)")
 
 
 def where_the_time_goes(step: Any, n: int) -> None:

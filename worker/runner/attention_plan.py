@@ -85,6 +85,14 @@ class AttentionPlan:
     # it prepared for this step.
     kernel: PagedKernel | None = None
     kernel_state: Any = None
+    #: the device the plan is for when its tensors were left on the host (``on_host``):
+    #: a CUDA graph's refill copies them into its own
+    for_device: torch.device | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device the step runs on (the kernel shapes its state for it)."""
+        return self.for_device or self.token_positions.device
 
     @classmethod
     def build(
@@ -97,11 +105,17 @@ class AttentionPlan:
         device: torch.device,
         kernel: PagedKernel | None = None,
         static: bool = False,
+        on_host: bool = False,
     ) -> "AttentionPlan":
         """``rows[i]`` runs ``num_tokens[i]`` tokens after ``num_computed[i]`` cached
         ones, through its blocks ``block_table[rows[i]]``; the packed sequence holds row
         ``rows[0]``'s tokens first, and so on. ``kernel``: the paged kernel attention
-        uses where it applies; ``static``: its state shaped by the batch size only."""
+        uses where it applies; ``static``: its state shaped by the batch size only;
+        ``on_host``: the tensors are left on the host (shaped for ``device``), to be
+        copied into a CUDA graph's inputs without a host-device round trip each."""
+        for_device = device if on_host and device.type != "cpu" else None
+        if on_host:
+            device = torch.device("cpu")
         bs = cache.block_size
         starts = (np.cumsum(num_tokens) - num_tokens).astype(np.int64)
         token_rows = np.repeat(rows, num_tokens)
@@ -146,6 +160,7 @@ class AttentionPlan:
             batched_query_len=q,
             prefill=prefill,
             kernel=kernel,
+            for_device=for_device,
         )
         if kernel is not None:
             plan.kernel_state = kernel.prepare(plan, block_table, rows, num_computed, num_tokens, static=static)

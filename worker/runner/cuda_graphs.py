@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from worker.runner.attention_plan import AttentionPlan
 from worker.runner.flex_attention import FlexPagedAttention
+from worker.runner.host_upload import HostUpload
 from worker.runner.kv_pool import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,11 @@ class _Graph:
     keep: torch.Tensor  # [bucket]
     plan: AttentionPlan
     logits: torch.Tensor  # [bucket, vocab], the graph's output
+    #: how each step refills the inputs (``input_ids``, then the plan's tensors)
+    uploads: list[HostUpload] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.uploads = [HostUpload(t) for t in [self.input_ids, *_plan_tensors(self.plan)]]
 
     def replay(self, forward: Forward) -> torch.Tensor:
         if self.graph is not None:
@@ -62,6 +68,10 @@ class _Graph:
 
 
 class DecodeGraphs:
+    #: build each step's plan on the host and copy it into the graph's inputs (False: on
+    #: the device, then copied across; the benchmark's comparison)
+    plan_on_host = True
+
     def __init__(self, forward: Forward, kv: PagedKVCache, kernel: FlexPagedAttention, max_rows: int,
                  device: torch.device) -> None:
         if kv.scratch_block is None:
@@ -92,26 +102,32 @@ class DecodeGraphs:
             except CannotCapture as exc:
                 self.unusable = str(exc)
                 logger.warning("CUDA graphs are off for this model: %s; decode steps run eagerly", exc)
-        plan = self._plan(bucket, positions, tables)
+        plan = self._plan(bucket, positions, tables, on_host=graph is not None and self.plan_on_host)
         if graph is None or plan.kernel_state is None:  # the kernel declined this step: run it eagerly
+            if plan.for_device is not None:
+                plan = self._plan(bucket, positions, tables)
             ids = torch.from_numpy(np.pad(input_ids, (0, bucket - rows))).to(self.device)
             return self.forward(ids, plan, torch.arange(rows, device=self.device))
-        graph.input_ids[:rows].copy_(torch.from_numpy(input_ids))
-        graph.input_ids[rows:].zero_()
-        for static, new in zip(_plan_tensors(graph.plan), _plan_tensors(plan)):
-            static.copy_(new, non_blocking=True)
+        # The graph's inputs refilled from the plan built on the host: one asynchronous
+        # copy each, queued ahead of the replay.
+        ids = torch.from_numpy(np.pad(input_ids.astype(np.int64), (0, bucket - rows)))
+        for upload, new in zip(graph.uploads, [ids, *_plan_tensors(plan)]):
+            if new.device == upload.target.device:
+                upload.target.copy_(new)
+            else:
+                upload.send_from(new)
         return graph.replay(self.forward)[:rows]
 
-    def _plan(self, bucket: int, positions: np.ndarray, tables: np.ndarray) -> AttentionPlan:
+    def _plan(self, bucket: int, positions: np.ndarray, tables: np.ndarray, on_host: bool = False) -> AttentionPlan:
         """The step's plan padded to ``bucket`` rows (padding: position 0 of the scratch
-        block), with static shapes."""
+        block), with static shapes; ``on_host``: its tensors left on the host."""
         rows = len(positions)
         padded = np.full((bucket, tables.shape[1]), self.kv.scratch_block, dtype=tables.dtype)
         padded[:rows] = tables
         computed = np.zeros(bucket, dtype=np.int64)
         computed[:rows] = positions
         return AttentionPlan.build(self.kv, np.arange(bucket), computed, np.ones(bucket, dtype=np.int64), padded,
-                                   self.device, self.kernel, static=True)
+                                   self.device, self.kernel, static=True, on_host=on_host)
 
     def _capture(self, bucket: int, width: int) -> _Graph:
         input_ids = torch.zeros(bucket, dtype=torch.long, device=self.device)

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from worker.runner.host_upload import HostUpload
+
 if TYPE_CHECKING:
     from worker.runner.attention_plan import AttentionPlan
 
@@ -94,6 +96,7 @@ class FlexPagedAttention:
         #: logical position of each pool block in the rows that hold it (valid for the
         #: blocks of the current step's rows), on the pool's device
         self._block_logical: torch.Tensor | None = None
+        self._logical_upload: HostUpload | None = None
         #: layer calls handed to the torch path (a sliding window, a declined step): a
         #: CUDA graph cannot replay them (their plan is built on the host per step)
         self.declined = 0
@@ -117,7 +120,7 @@ class FlexPagedAttention:
         lists as wide as the block table (the same shapes whatever the rows' lengths, as
         a CUDA graph needs)."""
         cache = plan.cache
-        device = plan.token_positions.device
+        device = plan.device  # what the kernel runs on (its tensors may be built on the host)
         bs = cache.block_size
         if device.type == "cuda" and (bs < 16 or bs & (bs - 1)):
             return None  # Triton's key tiles are the blocks: a power of two, 16 or more
@@ -128,20 +131,31 @@ class FlexPagedAttention:
         tables = block_table[rows, :width].astype(np.int64)
         held = np.arange(width)[None, :] < nblocks[:, None]
         blocks, logical = tables[held], np.broadcast_to(np.arange(width), tables.shape)[held]
-        if self._block_logical is None or self._block_logical.shape[0] != pool_blocks:
-            self._block_logical = torch.full((pool_blocks,), -1, dtype=torch.int32, device=device)
         _, which_block = np.unique(blocks, return_inverse=True)
         position = np.empty(which_block.max(initial=-1) + 1, dtype=np.int64)
         position[which_block] = logical
         if not np.array_equal(position[which_block], logical):
             return None  # a block at two positions
-        self._block_logical[torch.from_numpy(blocks).to(device)] = torch.from_numpy(logical.astype(np.int32)).to(device)
+        self._set_block_logical(pool_blocks, blocks, logical, device)
         short = num_tokens <= SHORT_QUERY_TILE
         calls = []
         for which, tile in ((short, SHORT_QUERY_TILE), (~short, PREFILL_QUERY_TILE)):
             if which.any():
                 calls.append(self._call(plan, which, tile, tables, num_computed, num_tokens, device))
         return FlexStep(calls)
+
+    def _set_block_logical(self, pool_blocks: int, blocks: np.ndarray, logical: np.ndarray,
+                           device: torch.device) -> None:
+        """Records the step's blocks' logical positions in ``_block_logical`` (on
+        ``device``, what the mask function reads): written on the host, then copied
+        whole (a few KiB) in one asynchronous copy from pinned memory on CUDA, rather
+        than indexed on the device with two synchronous uploads."""
+        if self._block_logical is None or self._block_logical.shape[0] != pool_blocks:
+            self._block_logical = torch.full((pool_blocks,), -1, dtype=torch.int32, device=device)
+            self._logical_upload = HostUpload(self._block_logical)
+        upload = self._logical_upload
+        upload.host_array()[blocks] = logical
+        upload.send()
 
     def _call(self, plan: AttentionPlan, which: np.ndarray, q_tile: int, tables: np.ndarray,
               num_computed: np.ndarray, num_tokens: np.ndarray, device: torch.device) -> FlexCall:
@@ -181,7 +195,8 @@ class FlexPagedAttention:
             pad = pool_tiles - width
             partial = np.concatenate([partial, np.zeros((b, kv_heads, tiles, pad), np.int64)], axis=-1)
             full_ids = np.concatenate([full_ids, np.zeros((b, kv_heads, tiles, pad), np.int64)], axis=-1)
-        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+        built = plan.token_positions.device  # the host, for a plan a CUDA graph copies in
+        as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(built)
         mask_inputs = (as_int(table), as_int(q_start), as_int(folded))
         mask_mod = self._mask_mod(*mask_inputs, bs)
         block_mask = BlockMask.from_kv_blocks(
@@ -192,7 +207,7 @@ class FlexPagedAttention:
         valid = qi[None, :] < q_len[:, None]
         index = np.where(valid, starts[:, None] + qi[None, :], 0)
         scatter = np.where(valid, index, len(plan.host_token_rows)).reshape(-1)
-        return FlexCall(index=torch.from_numpy(index).to(device), scatter=torch.from_numpy(scatter).to(device),
+        return FlexCall(index=torch.from_numpy(index).to(built), scatter=torch.from_numpy(scatter).to(built),
                         block_mask=block_mask, mask_inputs=mask_inputs)
 
     def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, folded: torch.Tensor, bs: int):
