@@ -131,9 +131,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: graphs captured per batch-size bucket, instead of launching each kernel from
     #: Python. None: on for CUDA workers; False: every step eager (vLLM's enforce_eager)
     cuda_graphs: bool | None = None
-    #: the model's RMSNorms compiled into one kernel each (torch.compile). None: on for
-    #: CUDA workers; False: transformers' own (several kernels per norm)
-    compiled_norms: bool | None = None
+    #: with cuda_graphs: the decode steps the graphs replay run the model's RMSNorms
+    #: compiled into one kernel each (torch.compile; steps launched from Python keep
+    #: transformers' own). False: transformers' own everywhere
+    compiled_norms: bool = True
     #: CPU: run linear layers with prepacked weights (faster; off: plain F.linear)
     cpu_packed_linear: bool = True
     #: CPU, float32: linear layers over weights packed in column panels, our own kernel

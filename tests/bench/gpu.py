@@ -293,8 +293,7 @@ DECODE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("graphs, plan on the GPU, norms not compiled", {"cuda_graphs": True, "compiled_norms": False,
                                                      "plan_on_host": False}),
     ("graphs, plan on the host, norms not compiled", {"cuda_graphs": True, "compiled_norms": False}),
-    ("FlexAttention eager, norms compiled", {"cuda_graphs": False}),
-    ("FlexAttention eager, norms not compiled", {"cuda_graphs": False, "compiled_norms": False}),
+    ("FlexAttention eager", {"cuda_graphs": False}),
 )
 
 

@@ -45,8 +45,8 @@ def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig,
     """Prepares ``model`` for its device (this may repack its weights) and returns how
     its steps run: on CPU the CPU backend; elsewhere the transformers forward with
     attention through FlexAttention (``flex_attention``, on by default off the CPU) or
-    the torch path, its RMSNorms compiled on CUDA (``compiled_norms``). ``group``: the
-    model is one rank's shard (the fused decoder reduces and gathers through it)."""
+    the torch path. ``group``: the model is one rank's shard (the fused decoder reduces
+    and gathers through it)."""
     backend = Backend()
     if device.type == "cpu":
         from worker.cpu.backend import prepare_cpu_backend
@@ -59,9 +59,4 @@ def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig,
         hf = model.config
         heads = hf.num_attention_heads
         backend.attention_kernel = FlexPagedAttention(heads, getattr(hf, "num_key_value_heads", None) or heads)
-    if backend.decoder is None and (config.compiled_norms if config.compiled_norms is not None
-                                    else device.type == "cuda"):
-        from worker.runner.compiled_norms import compile_rms_norms
-
-        compile_rms_norms(model)
     return backend

@@ -29,6 +29,7 @@ from worker.runner.attention import (
 )
 from worker.runner.attention_plan import AttentionPlan, concat_ranges
 from worker.runner.backend import choose_backend
+from worker.runner.compiled_norms import CompiledNorms
 from worker.runner.cuda_graphs import DecodeGraphs
 from worker.runner.input_batch import NO_LOGPROBS, InputBatch
 from worker.runner.kv_pool import PagedKVCache
@@ -153,13 +154,17 @@ class ModelRunner:
     def _decode_graphs(self, config: WorkerConfig) -> DecodeGraphs | None:
         """CUDA graphs for decode steps (``cuda_graphs``, on by default on CUDA; workers
         with FlexAttention; off CUDA, asked for, the same static inputs are refilled and
-        run eagerly, which tests them)."""
+        run eagerly, which tests them), their forwards with the RMSNorms compiled
+        (``compiled_norms``)."""
         if not self._wants_graphs(config):
             if config.cuda_graphs:
                 logger.warning("cuda_graphs needs FlexAttention (flex_attention not False): decode steps run eagerly")
             return None
 
-        return DecodeGraphs(self._forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device)
+        forward = self._forward
+        if config.compiled_norms is not False:
+            forward = CompiledNorms(self.model).wrap(forward)
+        return DecodeGraphs(forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device)
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
         """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
