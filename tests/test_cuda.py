@@ -314,7 +314,9 @@ def test_cuda_graphs_equal_the_eager_forward(llama_1b):
     default on CUDA) give the eager forward's tokens."""
     prompts = _random_prompts(32000, [7, 100, 33, 12, 60], seed=5)
     eager = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", cuda_graphs=False, graphs_expected=False)
-    graphs = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", graphs_expected=True)
+    # transformers' norms on both sides: compiled ones round bf16 differently (their
+    # accuracy is the bf16 test's, which runs with them)
+    graphs = _run_worker(llama_1b, prompts, 24, dtype="bfloat16", graphs_expected=True, compiled_norms=False)
     assert graphs == eager
 
 

@@ -158,18 +158,18 @@ def test_query_tiles_are_powers_of_two(q_lens):
 
 def test_compiled_norms_give_the_tokens_of_transformers_norms(tiny_model_path):
     """``compiled_norms`` (on with CUDA graphs) gives each RMSNorm a compiled twin that
-    the graphs' forwards switch on; off CUDA the graphs' refilled inputs run eagerly
-    through it. In float32 the tokens and logprobs are those of transformers' own norms
-    (rows joining and leaving, buckets 1-4, padding rows), and steps outside the graphs
-    keep transformers' norms."""
+    the graphs' recorded forward switches on; off CUDA the graphs' refilled inputs run
+    eagerly through it. In float32 the tokens and logprobs are those of transformers'
+    own norms (rows joining and leaving, buckets 1-4, padding rows)."""
     from helpers import make_worker
     from worker.runner.compiled_norms import CompiledNorms
 
     w = make_worker(tiny_model_path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
     norms = [m for m in w._runner.model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all("forward" in m.__dict__ for m in norms)
-    switch = w._runner.graphs.forward.compiled_norms
+    switch = w._runner.graphs.recorded.compiled_norms
     assert isinstance(switch, CompiledNorms) and switch.count == len(norms) and not switch.on
+    assert w._runner.graphs.forward == w._runner._forward  # the steps the graphs decline: plain norms
     del w
     fused = greedy_run(tiny_model_path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
     plain = greedy_run(tiny_model_path, flex_attention=True, cuda_graphs=True, compiled_norms=False,
@@ -180,19 +180,28 @@ def test_compiled_norms_give_the_tokens_of_transformers_norms(tiny_model_path):
 
 
 def test_compiled_norms_run_only_inside_the_switch():
+    """Each norm runs its class's compiled forward inside ``wrap`` and transformers' own
+    outside it, with the same result (float32)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from worker.runner.compiled_norms import CompiledNorms
 
     model = torch.nn.Sequential(LlamaRMSNorm(8), torch.nn.Linear(8, 8), LlamaRMSNorm(8))
+    model[0].weight.data.uniform_(0.5, 1.5)
     norms = CompiledNorms(model)
-    seen = []
-    original = [m.forward for m in (model[0], model[2])]
-    for m, fwd in zip((model[0], model[2]), original):
-        m.forward = lambda *a, fwd=fwd, **k: seen.append(norms.on) or fwd(*a, **k)
+    assert norms.count == 2 and list(norms.compiled) == [LlamaRMSNorm]
+    compiled, calls = norms.compiled[LlamaRMSNorm], []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0])
+        return compiled(*args, **kwargs)
+
+    norms.compiled[LlamaRMSNorm] = spy
     x = torch.randn(3, 8)
     plain = model(x)
-    wrapped = norms.wrap(model)
-    fused = wrapped(x)
-    assert seen == [False, False, True, True] and not norms.on
+    assert calls == []
+    fused = norms.wrap(model)(x)
+    assert calls == [model[0], model[2]] and not norms.on
     torch.testing.assert_close(fused, plain)
+    model(x)
+    assert len(calls) == 2

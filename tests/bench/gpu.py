@@ -123,12 +123,21 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
     and of the worker's own part of it; ``profile``: the torch profiler over five more
     decode steps, its summary printed (``where_the_time_goes``); ``plan_on_host``: CUDA
     graphs' plans built on the host (False: on the GPU, as before 2026-11-28)."""
-    from helpers import make_worker
-    from sampler.params import SamplingParams
     from worker.runner.cuda_graphs import DecodeGraphs
-    from worker_driver import MiniDriver
 
     DecodeGraphs.plan_on_host = plan_on_host
+    try:
+        return _decode_step(path, rows, context, steps, device, profile, **config)
+    finally:
+        DecodeGraphs.plan_on_host = True
+
+
+def _decode_step(path: str, rows: int, context: int, steps: int, device: str, profile: bool,
+                 **config: Any) -> tuple[float, float]:
+    from helpers import make_worker
+    from sampler.params import SamplingParams
+    from worker_driver import MiniDriver
+
     w = make_worker(path, device=device, dtype="bfloat16", max_num_seqs=rows, max_model_len=context + steps + 8,
                     **config)
     worker_times: list[float] = []
@@ -159,7 +168,6 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
             where_the_time_goes(d.step, 5)
             d.step_fn = timed_step
     del w
-    DecodeGraphs.plan_on_host = True
     if device == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times[3:]), statistics.median(own[3:])

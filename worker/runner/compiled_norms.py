@@ -33,20 +33,21 @@ class CompiledNorms:
 
     def __init__(self, model: nn.Module) -> None:
         self.on = False
-        compiled: dict[type, Callable[..., Any]] = {}
+        #: each norm class's forward, compiled
+        self.compiled: dict[type, Callable[..., Any]] = {}
         self.count = 0
         for module in model.modules():
             cls = type(module)
             if not cls.__name__.endswith("RMSNorm") or "forward" in module.__dict__:
                 continue
-            if cls not in compiled:
-                compiled[cls] = torch.compile(cls.forward, dynamic=True)
-            module.forward = self._either(module, cls.forward, compiled[cls])
+            if cls not in self.compiled:
+                self.compiled[cls] = torch.compile(cls.forward, dynamic=True)
+            module.forward = self._either(module, cls)
             self.count += 1
 
-    def _either(self, module: nn.Module, plain: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    def _either(self, module: nn.Module, cls: type) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return (compiled if self.on else plain)(module, *args, **kwargs)
+            return (self.compiled[cls] if self.on else cls.forward)(module, *args, **kwargs)
 
         return forward
 

@@ -54,7 +54,7 @@ class _Graph:
     plan: AttentionPlan
     logits: torch.Tensor  # [bucket, vocab], the graph's output
     #: how each step refills the inputs (``input_ids``, then the plan's tensors)
-    uploads: list[HostUpload] = field(default_factory=list)
+    uploads: list[HostUpload] = field(init=False)
 
     def __post_init__(self) -> None:
         self.uploads = [HostUpload(t) for t in [self.input_ids, *_plan_tensors(self.plan)]]
@@ -73,10 +73,14 @@ class DecodeGraphs:
     plan_on_host = True
 
     def __init__(self, forward: Forward, kv: PagedKVCache, kernel: FlexPagedAttention, max_rows: int,
-                 device: torch.device) -> None:
+                 device: torch.device, recorded: Forward | None = None) -> None:
+        """``forward`` runs the decode steps the graphs decline; ``recorded`` (default:
+        ``forward``) is what a graph records (off CUDA: what its replay runs), the
+        model's RMSNorms compiled in it."""
         if kv.scratch_block is None:
             raise ValueError("CUDA graphs need a scratch block in the KV pool for padding rows")
         self.forward = forward
+        self.recorded = recorded or forward
         self.kv = kv
         self.kernel = kernel
         self.device = device
@@ -111,12 +115,12 @@ class DecodeGraphs:
         # The graph's inputs refilled from the plan built on the host: one asynchronous
         # copy each, queued ahead of the replay.
         ids = torch.from_numpy(np.pad(input_ids.astype(np.int64), (0, bucket - rows)))
-        for upload, new in zip(graph.uploads, [ids, *_plan_tensors(plan)]):
+        for upload, new in zip(graph.uploads, [ids, *_plan_tensors(plan)], strict=True):
             if new.device == upload.target.device:
                 upload.target.copy_(new)
             else:
                 upload.send_from(new)
-        return graph.replay(self.forward)[:rows]
+        return graph.replay(self.recorded)[:rows]
 
     def _plan(self, bucket: int, positions: np.ndarray, tables: np.ndarray, on_host: bool = False) -> AttentionPlan:
         """The step's plan padded to ``bucket`` rows (padding: position 0 of the scratch
@@ -137,13 +141,13 @@ class DecodeGraphs:
             raise CannotCapture(f"the attention kernel gives no static plan (KV blocks of {self.kv.block_size} tokens)")
         declined = self.kernel.declined
         if self.device.type != "cuda":
-            logits = self.forward(input_ids, plan, keep)
+            logits = self.recorded(input_ids, plan, keep)
         else:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: compiles, allocator state
                 for _ in range(2):
-                    self.forward(input_ids, plan, keep)
+                    self.recorded(input_ids, plan, keep)
             torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.kernel.declined != declined:
             raise CannotCapture("some layers' attention takes the torch path (a sliding window), whose inputs are "
@@ -152,7 +156,7 @@ class DecodeGraphs:
             return _Graph(None, input_ids, keep, plan, logits)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.forward(input_ids, plan, keep)
+            logits = self.recorded(input_ids, plan, keep)
         return _Graph(graph, input_ids, keep, plan, logits)
 
 

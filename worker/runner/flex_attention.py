@@ -147,15 +147,18 @@ class FlexPagedAttention:
     def _set_block_logical(self, pool_blocks: int, blocks: np.ndarray, logical: np.ndarray,
                            device: torch.device) -> None:
         """Records the step's blocks' logical positions in ``_block_logical`` (on
-        ``device``, what the mask function reads): written on the host, then copied
-        whole (a few KiB) in one asynchronous copy from pinned memory on CUDA, rather
-        than indexed on the device with two synchronous uploads."""
+        ``device``, what the mask function reads): written on the host, then the span
+        of the table from the step's lowest block to its highest sent in one
+        asynchronous copy from pinned memory on CUDA, rather than indexed on the device
+        after two synchronous uploads."""
         if self._block_logical is None or self._block_logical.shape[0] != pool_blocks:
             self._block_logical = torch.full((pool_blocks,), -1, dtype=torch.int32, device=device)
             self._logical_upload = HostUpload(self._block_logical)
+        if len(blocks) == 0:
+            return
         upload = self._logical_upload
         upload.host_array()[blocks] = logical
-        upload.send()
+        upload.send(slice(int(blocks.min()), int(blocks.max()) + 1))
 
     def _call(self, plan: AttentionPlan, which: np.ndarray, q_tile: int, tables: np.ndarray,
               num_computed: np.ndarray, num_tokens: np.ndarray, device: torch.device) -> FlexCall:

@@ -3,9 +3,10 @@
 ``tensor.to("cuda")`` from ordinary host memory returns only once the copy is done, and a
 step that builds a dozen small tensors so pays a dozen host-device round trips before its
 first kernel. A ``HostUpload`` keeps a pinned host twin of one device tensor: the host
-writes the twin, ``send`` queues an asynchronous copy on the current stream, and the next
-write waits only for that copy to have left the twin (an event), not for the device's
-other work. On a CPU device the twin is the tensor itself.
+writes the twin, ``send`` queues an asynchronous copy on the device's current stream,
+and the next write first waits for that copy to have left the twin (an event: that
+stream's work up to the copy, usually long done by the next step). On a CPU device the
+twin is the tensor itself.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ class HostUpload:
         self._wait()
         return self.host.numpy()
 
-    def send(self) -> None:
-        """Queues the copy of the host twin into the device tensor (nothing to do on a CPU)."""
+    def send(self, part: slice = slice(None)) -> None:
+        """Queues the copy of the host twin (of ``part`` of its first dimension) into the
+        device tensor; nothing to do on a CPU."""
         if self._cuda:
-            self.target.copy_(self.host, non_blocking=True)
-            self._sent.record()
+            self.target[part].copy_(self.host[part], non_blocking=True)
+            self._sent.record(torch.cuda.current_stream(self.target.device))
             self._pending = True
 
     def send_from(self, values: torch.Tensor) -> None:

@@ -161,10 +161,9 @@ class ModelRunner:
                 logger.warning("cuda_graphs needs FlexAttention (flex_attention not False): decode steps run eagerly")
             return None
 
-        forward = self._forward
-        if config.compiled_norms is not False:
-            forward = CompiledNorms(self.model).wrap(forward)
-        return DecodeGraphs(forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device)
+        recorded = CompiledNorms(self.model).wrap(self._forward) if config.compiled_norms else None
+        return DecodeGraphs(self._forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device,
+                            recorded)
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
         """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
