@@ -97,6 +97,8 @@ def _run_worker(path: str, prompts: list[list[int]], n: int, logprobs: int | Non
     for i, p in enumerate(prompts):
         d.submit(f"r{i}", p, greedy, arrival_step=i)
     done = d.run()
+    if graphs_expected:  # they stayed on and replayed
+        assert w._runner.graphs.unusable is None and w._runner.graphs.graphs
     if logprobs is None:
         return {rid: r.output for rid, r in done.items()}
     return {rid: (r.output, r.logprobs) for rid, r in done.items()}
@@ -171,24 +173,28 @@ def test_the_sampler_on_cuda_equals_the_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_flex_on_cuda_equals_the_torch_path(dtype):
     """Shapes that change from call to call, as steps do: one compile (dynamic shapes)
-    must serve them all, each equal to the gather + SDPA path."""
+    per window must serve them all, each equal to the gather + SDPA path (sliding
+    windows of 40 and 64 among them)."""
     from helpers import random_paged_case
     from worker.runner.attention import attend_cached
     from worker.runner.attention_plan import AttentionPlan
     from worker.runner.flex_attention import FlexPagedAttention
 
-    shapes = [([1] * 7, 60, 0), ([1, 3, 1, 40], 50, 2), ([90, 17], 9, 0), ([1] * 33, 300, 1), ([16, 1, 200], 0, 3)]
-    for seed, (q_lens, depth, shared) in enumerate(shapes):
+    shapes = [([1] * 7, 60, 0, None), ([1, 3, 1, 40], 50, 2, None), ([90, 17], 9, 0, None), ([1] * 33, 300, 1, None),
+              ([16, 1, 200], 0, 3, None), ([1] * 9, 120, 1, 40), ([1, 200, 3], 30, 2, 64)]
+    for seed, (q_lens, depth, shared, window) in enumerate(shapes):
         cache, rows, cached, lens, table, q = random_paged_case(seed, q_lens, depth, 2, 4, 64, 16, dtype, shared)
         cache.keys[0] = cache.keys[0].cuda()
         cache.values[0] = cache.values[0].cuda()
         q = q.cuda()
         device = torch.device("cuda")
         flex = FlexPagedAttention(8, 2)
+        flex.windows.add(window)
         plan = AttentionPlan.build(cache, rows, cached, lens, table, device, flex)
-        got = attend_cached(q, plan, 0, 0.125, None, None)
+        got = attend_cached(q, plan, 0, 0.125, window, None)
+        assert flex.declined == 0
         want = attend_cached(q.float(), AttentionPlan.build(_float(cache), rows, cached, lens, table, device),
-                             0, 0.125, None, None)
+                             0, 0.125, window, None)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=f"shape {seed}: {q_lens}")
 
@@ -251,6 +257,18 @@ def test_the_runner_on_cuda_gives_transformers_greedy_tokens_tiny_float32(tiny_m
     prompts = _random_prompts(VOCAB_TINY, [5, 37, 80, 130, 9, 64], seed=1)
     ours = _run_worker(tiny_model_path, prompts, 24, dtype="float32")
     _assert_greedy_equal_fp32(_hf(tiny_model_path, torch.float32), prompts, ours, 24)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_a_sliding_window_model_on_cuda_gives_transformers_greedy_tokens(tmp_path, arch):
+    """Sliding windows through FlexAttention, decode steps on CUDA graphs (Mistral: every
+    layer windowed; Gemma 2: windowed and global layers, soft-capped logits)."""
+    from tiny_model import build_tiny_model
+
+    path = str(build_tiny_model(tmp_path / arch, arch=arch))
+    prompts = _random_prompts(VOCAB_TINY, [5, 37, 80, 9], seed=3)
+    ours = _run_worker(path, prompts, 24, dtype="float32", graphs_expected=True)
+    _assert_greedy_equal_fp32(_hf(path, torch.float32), prompts, ours, 24)
 
 
 def test_the_runner_on_cuda_gives_transformers_greedy_tokens_1b_float32(llama_1b):

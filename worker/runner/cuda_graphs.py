@@ -18,8 +18,8 @@ then the capture); they share one memory pool.
 A model the graphs cannot replay turns them off for the worker at the first capture,
 with a warning, and its decode steps run eagerly: one whose attention kernel gives no
 static plan (a block size its tiles cannot take), or with layers whose attention takes
-the torch path (sliding windows), whose inputs are built on the host for each step and
-would be replayed stale.
+the torch path (a window FlexAttention has not prepared calls for), whose inputs are
+built on the host for each step and would be replayed stale.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class DecodeGraphs:
                     self.recorded(input_ids, plan, keep)
             torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.kernel.declined != declined:
-            raise CannotCapture("some layers' attention takes the torch path (a sliding window), whose inputs are "
+            raise CannotCapture("some layers' attention takes the torch path, whose inputs are "
                                 "built on the host for each step")
         if self.device.type != "cuda":
             return _Graph(None, input_ids, keep, plan, logits)

@@ -12,16 +12,21 @@ head of its group, and a decode row's one query per head fills a query tile with
 group instead of padding. Each call has
 
 - a block mask that lists, for every row, KV head and query tile, exactly the pool
-  tiles it needs (its own blocks up to its last query's position, of that KV head), so
-  the kernel reads nothing else: decode rows visit their own blocks only,
-  a prefill chunk's early query tiles skip the blocks after them; blocks that every
-  query of a tile sees whole are "full" (no mask evaluated);
+  tiles it needs (its own blocks up to its last query's position, of that KV head, and
+  under a sliding window none before its first query's window), so the kernel reads
+  nothing else: decode rows visit their own blocks only, a prefill chunk's early query
+  tiles skip the blocks after them; blocks that every query of a tile sees whole are
+  "full" (no mask evaluated);
 - a mask function that says, for one (row, KV head, folded query, key), whether the key
   is visible: it belongs to the row (``tables[row, logical] == block``, with ``logical``
   the block's position in its row's table, ``block_logical[block]``), to the KV head,
   lies at or before the query's position (causal) and inside the sliding window.
   FlexAttention requires the mask function to be exact on its own (its eager path and
   the partial tiles use it; the block mask only skips work).
+
+Each sliding window the model's layers use gets calls of its own (a step prepares one set
+per window; the load's probe, one token through every layer, finds the windows: a layer
+asking for a window not prepared yet is handed to the torch path, once).
 
 A physical block has one logical position in every row that holds it: a block is shared
 only through the prefix cache, whose keys chain over every earlier block, so a cached
@@ -69,6 +74,7 @@ class FlexCall:
     scatter: torch.Tensor  # [B * L] where each output goes: its packed index, T for padding
     block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
     mask_inputs: tuple[torch.Tensor, ...]  # what the mask function reads besides block_logical
+    window: int | None = None  # the sliding window of the layers this call serves (None: none)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the call reads, in a fixed order (a CUDA graph refills them)."""
@@ -97,9 +103,13 @@ class FlexPagedAttention:
         #: blocks of the current step's rows), on the pool's device
         self._block_logical: torch.Tensor | None = None
         self._logical_upload: HostUpload | None = None
-        #: layer calls handed to the torch path (a sliding window, a declined step): a
-        #: CUDA graph cannot replay them (their plan is built on the host per step)
+        #: layer calls handed to the torch path (a declined step, a window not prepared
+        #: for): a CUDA graph cannot replay them (their plan is built on the host per step)
         self.declined = 0
+        #: the sliding windows (None: no window) a step prepares calls for: a layer that
+        #: asks for another is handed to the torch path once (the load's probe meets every
+        #: layer) and its window is prepared from the next step on
+        self.windows: set[int | None] = {None}
 
     def _flex(self, device: torch.device) -> Any:
         compiled = self.compiled if self.compiled is not None else device.type == "cuda"
@@ -139,9 +149,10 @@ class FlexPagedAttention:
         self._set_block_logical(pool_blocks, blocks, logical, device)
         short = num_tokens <= SHORT_QUERY_TILE
         calls = []
-        for which, tile in ((short, SHORT_QUERY_TILE), (~short, PREFILL_QUERY_TILE)):
-            if which.any():
-                calls.append(self._call(plan, which, tile, tables, num_computed, num_tokens, device))
+        for window in sorted(self.windows, key=lambda w: -1 if w is None else w):
+            for which, tile in ((short, SHORT_QUERY_TILE), (~short, PREFILL_QUERY_TILE)):
+                if which.any():
+                    calls.append(self._call(plan, which, tile, tables, num_computed, num_tokens, device, window))
         return FlexStep(calls)
 
     def _set_block_logical(self, pool_blocks: int, blocks: np.ndarray, logical: np.ndarray,
@@ -161,7 +172,8 @@ class FlexPagedAttention:
         upload.send(slice(int(blocks.min()), int(blocks.max()) + 1))
 
     def _call(self, plan: AttentionPlan, which: np.ndarray, q_tile: int, tables: np.ndarray,
-              num_computed: np.ndarray, num_tokens: np.ndarray, device: torch.device) -> FlexCall:
+              num_computed: np.ndarray, num_tokens: np.ndarray, device: torch.device,
+              window: int | None = None) -> FlexCall:
         from torch.nn.attention.flex_attention import BlockMask
 
         cache = plan.cache
@@ -174,22 +186,37 @@ class FlexPagedAttention:
         b, longest = len(q_len), int(q_len.max())
         q_tile = min(q_tile, _tile_for(longest * group))
         tiles = -(-longest * group // q_tile)
-        # Per (row, query tile): the row's blocks up to the last query position there
-        # (needed), of which the first ``full`` every query of the tile sees whole.
+        # Per (row, query tile), in logical blocks of the row: those any query of the
+        # tile sees, [need_lo, needed), and among them those every query sees whole,
+        # [full_lo, full_hi) (no mask evaluated there); without a window both start at 0.
         first_q = np.arange(tiles)[None, :] * q_tile  # [1, tiles], folded
-        last_pos = (np.minimum(first_q + q_tile, folded[:, None]) - 1) // group
         live = first_q < folded[:, None]
-        needed = np.where(live, (q_start[:, None] + last_pos) // bs + 1, 0)
-        full = np.where(live, (q_start[:, None] + first_q // group + 1) // bs, 0)
+        p0 = q_start[:, None] + first_q // group  # the tile's first query position
+        p1 = q_start[:, None] + (np.minimum(first_q + q_tile, folded[:, None]) - 1) // group  # its last
+        needed = np.where(live, p1 // bs + 1, 0)
+        full_hi = np.where(live, (p0 + 1) // bs, 0)
+        if window is None:
+            need_lo = full_lo = np.zeros_like(needed)
+        else:  # key j is seen by query p when p - window < j <= p
+            need_lo = np.where(live, np.maximum((p0 - window + 1) // bs, 0), 0)
+            full_lo = np.where(live, np.maximum(-(-(p1 - window + 1) // bs), 0), 0)
+        full = np.maximum(full_hi - full_lo, 0)
+        # The partial blocks: [need_lo, full_lo) then [full_hi, needed) (all of
+        # [need_lo, needed) when no block is full).
+        split = np.where(full > 0, full_lo, needed)
+        resume = np.where(full > 0, full_hi, needed)
+        first_n = split - need_lo
         width = table.shape[1]
+        k = np.arange(width)[None, None, :]
+        partial_logical = np.where(k < first_n[..., None], need_lo[..., None] + k, resume[..., None] + k - first_n[..., None])
         pool_tiles = cache.keys[0].shape[0] * kv_heads
         # Tile ids per KV head: block * kv_heads + head.
         head_kv = np.arange(kv_heads)[None, :, None, None]
-        partial_ids = np.take_along_axis(table, np.minimum(full[:, :, None] + np.arange(width)[None, None, :], width - 1)
-                                         .reshape(b, -1), axis=1).reshape(b, 1, tiles, width)
-        partial = partial_ids * kv_heads + head_kv
-        full_ids = table[:, None, None, :] * kv_heads + head_kv
-        kv_num = np.broadcast_to((needed - full)[:, None, :], (b, kv_heads, tiles))
+        gather = lambda logical: np.take_along_axis(table, np.minimum(logical, width - 1).reshape(b, -1), axis=1
+                                                    ).reshape(b, 1, tiles, width)
+        partial = gather(partial_logical) * kv_heads + head_kv
+        full_ids = (table[:, None, None, :] if window is None else gather(full_lo[..., None] + k)) * kv_heads + head_kv
+        kv_num = np.broadcast_to((first_n + needed - resume)[:, None, :], (b, kv_heads, tiles))
         full_num = np.broadcast_to(full[:, None, :], (b, kv_heads, tiles))
         full_ids = np.broadcast_to(full_ids, (b, kv_heads, tiles, width))
         if device.type != "cuda":
@@ -201,7 +228,7 @@ class FlexPagedAttention:
         built = plan.token_positions.device  # the host, for a plan a CUDA graph copies in
         as_int = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(built)
         mask_inputs = (as_int(table), as_int(q_start), as_int(folded))
-        mask_mod = self._mask_mod(*mask_inputs, bs)
+        mask_mod = self._mask_mod(*mask_inputs, bs, window)
         block_mask = BlockMask.from_kv_blocks(
             as_int(kv_num), as_int(partial), as_int(full_num), as_int(full_ids), BLOCK_SIZE=(q_tile, bs),
             mask_mod=mask_mod, seq_lengths=(longest * group, pool_tiles * bs), compute_q_blocks=False,
@@ -211,9 +238,10 @@ class FlexPagedAttention:
         index = np.where(valid, starts[:, None] + qi[None, :], 0)
         scatter = np.where(valid, index, len(plan.host_token_rows)).reshape(-1)
         return FlexCall(index=torch.from_numpy(index).to(built), scatter=torch.from_numpy(scatter).to(built),
-                        block_mask=block_mask, mask_inputs=mask_inputs)
+                        block_mask=block_mask, mask_inputs=mask_inputs, window=window)
 
-    def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, folded: torch.Tensor, bs: int):
+    def _mask_mod(self, table: torch.Tensor, q_start: torch.Tensor, folded: torch.Tensor, bs: int,
+                  window: int | None):
         block_logical = self._block_logical
         kv_heads, group = self.num_kv_heads, self.group
 
@@ -223,7 +251,9 @@ class FlexPagedAttention:
             logical = block_logical[block]
             member = (logical >= 0) & (table[b, logical.clamp(0, table.shape[1] - 1)] == block)
             pos = logical * bs + kv_idx % bs
-            return member & (tile % kv_heads == h) & (q_idx < folded[b]) & (pos <= q_start[b] + q_idx // group)
+            q_pos = q_start[b] + q_idx // group
+            seen = member & (tile % kv_heads == h) & (q_idx < folded[b]) & (pos <= q_pos)
+            return seen if window is None else seen & (pos > q_pos - window)
 
         return mask_mod
 
@@ -232,9 +262,13 @@ class FlexPagedAttention:
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
                softcap: float | None) -> torch.Tensor | None:
         step: FlexStep | None = plan.kernel_state
-        if step is None or window:
+        window = window or None
+        calls = [call for call in step.calls if call.window == window] if step is not None else []
+        if not calls:  # a declined step, or a window this step has no calls for: the torch path
             self.declined += 1
-            return None  # sliding windows: the torch path (a window-aware mask is future work)
+            if step is not None:
+                self.windows.add(window)
+            return None
         k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
         dim = q_all.shape[-1]
         k = k_pool.view(1, 1, -1, dim)
@@ -245,7 +279,7 @@ class FlexPagedAttention:
         total = q_all.shape[0]
         out = q_all.new_empty(total + 1, *q_all.shape[1:])  # row ``total``: where padding lands
         kv_heads, group = self.num_kv_heads, self.group
-        for call in step.calls:
+        for call in calls:
             b, length = call.index.shape
             # [B, L, heads, dim] -> [B, kv_heads, L x group, dim]: a KV head's query heads folded in
             q = (q_all[call.index].view(b, length, kv_heads, group, dim).permute(0, 2, 1, 3, 4)
