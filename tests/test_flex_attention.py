@@ -7,6 +7,7 @@ the whole model's greedy output with the path on."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -75,9 +76,10 @@ def test_block_lists_hold_every_key_the_mask_sees_and_full_tiles_only_seen_keys(
         seed, q_lens, depth, group, block, window, static, shared):
     """Eager FlexAttention applies the mask function everywhere; the compiled kernel
     reads only the listed tiles, and skips the mask on tiles listed full. So, for every
-    call of a step, with and without a sliding window: each (query, key) the mask
-    function sees lies in a listed tile, and every query of a tile listed full sees every
-    key of that tile (the padding queries past a row's length aside)."""
+    call of a step, with and without a sliding window: the listed tiles are exactly those
+    holding a key the mask function lets some query see, and the full ones exactly those
+    whose every key every query of the query tile sees (the padding queries past a
+    row's length aside)."""
     from torch.nn.attention.flex_attention import create_mask
 
     kv_heads = 2
@@ -101,14 +103,44 @@ def test_block_lists_hold_every_key_the_mask_sees_and_full_tiles_only_seen_keys(
                     full = set(m.full_kv_indices[r, h, t, : m.full_kv_num_blocks[r, h, t]].tolist())
                     assert not partial & full
                     rows_q = slice(t * q_tile, min((t + 1) * q_tile, q_len))
-                    tile_seen = seen[r, h, rows_q].reshape(-1, kv_len // kv_tile, kv_tile).any(dim=(0, 2))
-                    listed = torch.zeros_like(tile_seen)
-                    listed[list(partial | full)] = True
-                    assert not (tile_seen & ~listed).any(), f"row {r} head {h} tile {t}: a seen key's tile is not listed"
-                    live = min(rows_q.stop, int(folded[r])) - rows_q.start
-                    for kv in full:
-                        keys = seen[r, h, rows_q.start : rows_q.start + live, kv * kv_tile : (kv + 1) * kv_tile]
-                        assert keys.all(), f"row {r} head {h} tile {t}: tile {kv} listed full is not seen whole"
+                    live = max(min(rows_q.stop, int(folded[r])) - rows_q.start, 0)
+                    tiles_seen = seen[r, h, rows_q].reshape(-1, kv_len // kv_tile, kv_tile)
+                    any_seen = set(tiles_seen.any(dim=(0, 2)).nonzero().flatten().tolist())
+                    whole = set(tiles_seen[:live].all(dim=(0, 2)).nonzero().flatten().tolist()) if live else set()
+                    assert partial | full == any_seen, f"row {r} head {h} tile {t}: listed {partial | full}, seen {any_seen}"
+                    assert full == whole, f"row {r} head {h} tile {t}: listed full {full}, seen whole {whole}"
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+def test_window_block_lists_at_every_offset(bs):
+    """A sweep the property test samples: one row at every start position over three
+    blocks, every window from 1 to two blocks and one, short and long queries; the lists
+    against positions counted by hand (key j seen by query p when p - window < j <= p)."""
+    group, kv_heads = 2, 1
+    for window in range(1, 2 * bs + 2):
+        flex = FlexPagedAttention(group * kv_heads, kv_heads)
+        flex.windows = {window}
+        for q_start in range(3 * bs):
+            for q_len in (1, 3, 20):
+                kv_len = q_start + q_len
+                nblocks = -(-kv_len // bs)
+                cache = PagedKVCache(1, nblocks + 1, bs, kv_heads, 8, torch.float32, torch.device("cpu"))
+                table = np.arange(nblocks, dtype=np.int32)[None, :]  # logical block = physical block
+                plan = AttentionPlan.build(cache, np.array([0]), np.array([q_start]), np.array([q_len]), table,
+                                           torch.device("cpu"), flex)
+                (call,) = plan.kernel_state.calls
+                m = call.block_mask
+                q_tile = m.BLOCK_SIZE[0]
+                for t in range(-(-q_len * group // q_tile)):
+                    positions = [q_start + i // group for i in range(t * q_tile, min((t + 1) * q_tile, q_len * group))]
+                    sees = [{j for j in range(max(p - window + 1, 0), p + 1)} for p in positions]
+                    listed = {j // bs for keys in sees for j in keys}
+                    whole = {b for b in listed if all(set(range(b * bs, (b + 1) * bs)) <= keys for keys in sees)}
+                    partial = set(m.kv_indices[0, 0, t, : m.kv_num_blocks[0, 0, t]].tolist())
+                    full = set(m.full_kv_indices[0, 0, t, : m.full_kv_num_blocks[0, 0, t]].tolist())
+                    where = f"window {window}, start {q_start}, {q_len} queries, tile {t}"
+                    assert partial | full == listed and not partial & full, where
+                    assert full == whole, where
 
 
 def test_a_block_at_two_positions_hands_the_step_to_the_torch_path():
@@ -191,13 +223,44 @@ def test_graphs_replay_a_model_with_a_sliding_window(tmp_path, caplog, arch):
     from tiny_model import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / arch, arch=arch))
+    settled = []
     with caplog.at_level(logging.WARNING, logger="worker.runner.cuda_graphs"):
-        graphs = greedy_run(path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
+        graphs = greedy_run(path, before=lambda w: settled.append(set(w._runner.backend.attention_kernel.windows)),
+                            flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
     assert "CUDA graphs are off" not in caplog.text
+    # the load's probe found the layers' windows, and only those are prepared
+    assert settled == [{24} if arch == "mistral" else {None, 24}]
     kernel = greedy_run(path)
     for rid in kernel:
         assert graphs[rid][0] == kernel[rid][0], rid
         assert graphs[rid][1] == pytest.approx(kernel[rid][1], abs=1e-4)
+
+
+def test_graphs_are_captured_again_when_a_window_is_learned_after_them(tiny_model_path):
+    """A window the kernel learns after a capture adds calls (and inputs) the graphs do
+    not hold: they are dropped and captured again, the tokens unchanged."""
+    snapshots = []
+
+    def learn_late(w):
+        graphs = w._runner.graphs
+        run = graphs.run
+
+        def run_and_learn(*args):
+            if len(snapshots) == 6:
+                graphs.kernel.windows.add(1000)
+            out = run(*args)
+            snapshots.append({g.windows for g in graphs.graphs.values()})
+            return out
+
+        graphs.run = run_and_learn
+
+    late = greedy_run(tiny_model_path, before=learn_late, flex_attention=True, cuda_graphs=True,
+                      cpu_fused_decoder=False)
+    assert snapshots[0] == {frozenset({None})} and snapshots[-1] == {frozenset({None, 1000})}
+    plain = greedy_run(tiny_model_path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
+    for rid in plain:
+        assert late[rid][0] == plain[rid][0], rid
+        assert late[rid][1] == pytest.approx(plain[rid][1], abs=1e-5)
 
 
 def test_graphs_turn_themselves_off_when_a_layer_takes_the_torch_path(tmp_path, caplog):

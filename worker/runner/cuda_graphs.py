@@ -53,6 +53,7 @@ class _Graph:
     keep: torch.Tensor  # [bucket]
     plan: AttentionPlan
     logits: torch.Tensor  # [bucket, vocab], the graph's output
+    windows: frozenset  # the attention kernel's windows when it was captured
     #: how each step refills the inputs (``input_ids``, then the plan's tensors)
     uploads: list[HostUpload] = field(init=False)
 
@@ -100,6 +101,9 @@ class DecodeGraphs:
         rows = len(input_ids)
         bucket = next(b for b in self.buckets if b >= rows)
         graph = self.graphs.get(bucket)
+        if graph is not None and graph.windows != frozenset(self.kernel.windows):
+            self.graphs.clear()  # a window learned since the capture: its calls are not in the graphs
+            graph = None
         if graph is None:
             try:
                 graph = self.graphs[bucket] = self._capture(bucket, tables.shape[1])
@@ -153,11 +157,11 @@ class DecodeGraphs:
             raise CannotCapture("some layers' attention takes the torch path, whose inputs are "
                                 "built on the host for each step")
         if self.device.type != "cuda":
-            return _Graph(None, input_ids, keep, plan, logits)
+            return _Graph(None, input_ids, keep, plan, logits, frozenset(self.kernel.windows))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.recorded(input_ids, plan, keep)
-        return _Graph(graph, input_ids, keep, plan, logits)
+        return _Graph(graph, input_ids, keep, plan, logits, frozenset(self.kernel.windows))
 
 
 class CannotCapture(RuntimeError):

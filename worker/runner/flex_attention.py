@@ -110,6 +110,8 @@ class FlexPagedAttention:
         #: asks for another is handed to the torch path once (the load's probe meets every
         #: layer) and its window is prepared from the next step on
         self.windows: set[int | None] = {None}
+        #: the windows layers have asked for (``settle_windows`` keeps these alone)
+        self._asked: set[int | None] = set()
 
     def _flex(self, device: torch.device) -> Any:
         compiled = self.compiled if self.compiled is not None else device.type == "cuda"
@@ -119,6 +121,13 @@ class FlexPagedAttention:
         # compile serves them); static elsewhere (inductor's CPU template for flex
         # attention fails to build with symbolic sizes in torch 2.13).
         return _compiled_flex(device.type == "cuda")
+
+    def settle_windows(self) -> None:
+        """After a forward through every layer (the load's probe): prepare calls for the
+        windows the layers asked for and no others (a model whose every layer has a
+        window builds no window-less calls)."""
+        if self._asked:
+            self.windows = set(self._asked)
 
     # -- per step -----------------------------------------------------------------
 
@@ -262,7 +271,7 @@ class FlexPagedAttention:
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
                softcap: float | None) -> torch.Tensor | None:
         step: FlexStep | None = plan.kernel_state
-        window = window or None
+        self._asked.add(window)
         calls = [call for call in step.calls if call.window == window] if step is not None else []
         if not calls:  # a declined step, or a window this step has no calls for: the torch path
             self.declined += 1

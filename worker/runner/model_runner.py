@@ -201,7 +201,8 @@ class ModelRunner:
 
     def _probe_attention(self) -> None:
         """One token through the model at load: an attention feature the paged path
-        does not implement is refused now, naming it, not met on a request."""
+        does not implement is refused now, naming it, not met on a request (and
+        FlexAttention learns the layers' sliding windows)."""
         plan = AttentionPlan.build(
             self.kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device,
             self.backend.attention_kernel,
@@ -215,6 +216,9 @@ class ModelRunner:
                 )
         except UnsupportedAttention as exc:
             raise ModelLoadError(f"{self.loaded.name}: {exc}") from None
+        settle = getattr(self.backend.attention_kernel, "settle_windows", None)
+        if settle is not None:  # FlexAttention: the windows the layers asked for
+            settle()
 
     # -- one step ---------------------------------------------------------------------
 
