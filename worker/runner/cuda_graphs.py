@@ -120,10 +120,7 @@ class DecodeGraphs:
         # copy each, queued ahead of the replay.
         ids = torch.from_numpy(np.pad(input_ids.astype(np.int64), (0, bucket - rows)))
         for upload, new in zip(graph.uploads, [ids, *_plan_tensors(plan)], strict=True):
-            if new.device == upload.target.device:
-                upload.target.copy_(new)
-            else:
-                upload.send_from(new)
+            upload.send_from(new)
         return graph.replay(self.recorded)[:rows]
 
     def _plan(self, bucket: int, positions: np.ndarray, tables: np.ndarray, on_host: bool = False) -> AttentionPlan:

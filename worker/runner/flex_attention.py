@@ -106,12 +106,11 @@ class FlexPagedAttention:
         #: layer calls handed to the torch path (a declined step, a window not prepared
         #: for): a CUDA graph cannot replay them (their plan is built on the host per step)
         self.declined = 0
-        #: the sliding windows (None: no window) a step prepares calls for: a layer that
-        #: asks for another is handed to the torch path once (the load's probe meets every
-        #: layer) and its window is prepared from the next step on
-        self.windows: set[int | None] = {None}
-        #: the windows layers have asked for (``settle_windows`` keeps these alone)
-        self._asked: set[int | None] = set()
+        #: the sliding windows (None: no window) the layers have asked for, those a step
+        #: prepares calls for (none asked yet: window-less calls). A layer that asks for
+        #: another is handed to the torch path once (the load's probe meets every layer)
+        #: and its window is prepared from the next step on
+        self.windows: set[int | None] = set()
 
     def _flex(self, device: torch.device) -> Any:
         compiled = self.compiled if self.compiled is not None else device.type == "cuda"
@@ -121,13 +120,6 @@ class FlexPagedAttention:
         # compile serves them); static elsewhere (inductor's CPU template for flex
         # attention fails to build with symbolic sizes in torch 2.13).
         return _compiled_flex(device.type == "cuda")
-
-    def settle_windows(self) -> None:
-        """After a forward through every layer (the load's probe): prepare calls for the
-        windows the layers asked for and no others (a model whose every layer has a
-        window builds no window-less calls)."""
-        if self._asked:
-            self.windows = set(self._asked)
 
     # -- per step -----------------------------------------------------------------
 
@@ -158,7 +150,7 @@ class FlexPagedAttention:
         self._set_block_logical(pool_blocks, blocks, logical, device)
         short = num_tokens <= SHORT_QUERY_TILE
         calls = []
-        for window in sorted(self.windows, key=lambda w: -1 if w is None else w):
+        for window in sorted(self.windows or {None}, key=lambda w: -1 if w is None else w):
             for which, tile in ((short, SHORT_QUERY_TILE), (~short, PREFILL_QUERY_TILE)):
                 if which.any():
                     calls.append(self._call(plan, which, tile, tables, num_computed, num_tokens, device, window))
@@ -271,12 +263,10 @@ class FlexPagedAttention:
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
                softcap: float | None) -> torch.Tensor | None:
         step: FlexStep | None = plan.kernel_state
-        self._asked.add(window)
+        self.windows.add(window)  # prepared from the next step on, if it was not
         calls = [call for call in step.calls if call.window == window] if step is not None else []
         if not calls:  # a declined step, or a window this step has no calls for: the torch path
             self.declined += 1
-            if step is not None:
-                self.windows.add(window)
             return None
         k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
         dim = q_all.shape[-1]

@@ -42,7 +42,11 @@ class HostUpload:
             self._pending = True
 
     def send_from(self, values: torch.Tensor) -> None:
-        """The device tensor takes ``values`` (a host tensor of its shape)."""
+        """The device tensor takes ``values`` (of its shape: on the host, through the
+        twin; already on its device, copied there directly)."""
+        if values.device == self.target.device:
+            self.target.copy_(values)
+            return
         self._wait()
         self.host.copy_(values)
         self.send()

@@ -216,9 +216,6 @@ class ModelRunner:
                 )
         except UnsupportedAttention as exc:
             raise ModelLoadError(f"{self.loaded.name}: {exc}") from None
-        settle = getattr(self.backend.attention_kernel, "settle_windows", None)
-        if settle is not None:  # FlexAttention: the windows the layers asked for
-            settle()
 
     # -- one step ---------------------------------------------------------------------
 
