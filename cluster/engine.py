@@ -56,11 +56,8 @@ from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
 from cluster.worker_pool import SentStep, WorkerPool, WorkerSlot
 from sampler.params import SamplingParams, check_text
-from worker.runner.model_loader import load_tokenizer
-from worker.runner.sharded_loader import check_model_parallel
-from worker.transport.protocol import Codec, StepTimings
-from worker.transport.step_channel import ChannelClosed, StepFailed, wait_ready
-from worker.runner.structured_output import GrammarCompiler
+from worker import Codec, GrammarCompiler, StepTimings, check_model_parallel, load_tokenizer
+from worker.transport import ChannelClosed, StepFailed, wait_ready
 
 logger = logging.getLogger("raydecode")
 

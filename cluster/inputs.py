@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from sampler.params import check_text
 
-PromptType = Union[str, Sequence[int], dict[str, Any]]
+PromptType = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 #: How many characters of input one token may stand for, beyond the longest vocabulary
@@ -46,7 +46,7 @@ class PromptBudget:
     chars_per_token: int
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, max_tokens: int) -> "PromptBudget":
+    def for_tokenizer(cls, tokenizer: Any, max_tokens: int) -> PromptBudget:
         try:
             longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         except (AttributeError, NotImplementedError, TypeError):

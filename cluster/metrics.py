@@ -85,7 +85,7 @@ class Histogram:
             out.append(total)
         return out
 
-    def copy(self) -> "Histogram":
+    def copy(self) -> Histogram:
         return Histogram(self.bounds, list(self.counts), self.sum)
 
 

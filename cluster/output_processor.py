@@ -15,7 +15,7 @@ import numpy as np
 
 from cluster.request import Request
 from cluster.scheduler import ScheduledStep
-from worker.transport.protocol import StepReply
+from worker import StepReply
 
 
 def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:

@@ -34,7 +34,7 @@ class RaySession:
         self._closed = False
 
     @classmethod
-    def connect(cls, address: str | None = None, init_kwargs: dict[str, Any] | None = None) -> "RaySession":
+    def connect(cls, address: str | None = None, init_kwargs: dict[str, Any] | None = None) -> RaySession:
         with cls._lock:
             if ray.is_initialized():
                 owns = cls._owners > 0  # an engine of this process started it

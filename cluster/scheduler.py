@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from cluster.block_manager import BlockManager
 from cluster.sequence import Sequence
 from sampler.logits_processor import BatchUpdateBuilder, MoveDirectionality
-from worker.transport.protocol import PROTOCOL_VERSION, AddedRequest, Int32Array, MovedRows, StepRequest
-
+from worker import PROTOCOL_VERSION, AddedRequest, Int32Array, MovedRows, StepRequest
 
 #: Waiting sequences one admission pass may leave to other workers (or to later) before
 #: it stops looking further down the queue.
@@ -209,7 +208,7 @@ class WorkerScheduler:
         self,
         waiting: WaitingQueue,
         share: int,
-        admit: Callable[[Sequence, "WorkerScheduler"], bool] | None = None,
+        admit: Callable[[Sequence, WorkerScheduler], bool] | None = None,
     ) -> tuple[ScheduledStep | None, list[Sequence]]:
         """The next step (None when there is nothing to send) and the sequences preempted
         while building it (already pushed back onto ``waiting``). ``share`` caps how many

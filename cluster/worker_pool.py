@@ -41,12 +41,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from cluster.config import EngineConfig
-from worker.transport.actor import create_worker, decode_info
-from worker.runner.model_loader import ModelLoadError
-from worker.transport.protocol import GroupRank
-from worker.runner.parallel_layout import leader_rank
-from worker.transport.protocol import WorkerInfo
-from worker.transport.step_channel import StepChannel
+from worker import GroupRank, ModelLoadError, WorkerInfo, leader_rank
+from worker.transport import StepChannel, create_worker, decode_info
 
 logger = logging.getLogger("raydecode")
 

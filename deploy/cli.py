@@ -265,7 +265,7 @@ def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
     if args.structured_outputs_config is not None:
         from pydantic import ValidationError
 
-        from deploy.serve import StructuredOutputsConfig
+        from deploy.server_args import StructuredOutputsConfig
 
         try:
             StructuredOutputsConfig.model_validate(args.structured_outputs_config)
@@ -299,7 +299,7 @@ def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
         and "request_router" not in out and "request_router_kwargs" not in out)
     from pydantic import ValidationError
 
-    from deploy.serve import ServerArgs
+    from deploy.server_args import ServerArgs
 
     try:
         ServerArgs.model_validate(out)

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
-import msgspec
 import psutil
 from openai.types import Model
 from pydantic import ValidationError
@@ -40,6 +39,7 @@ from deploy.openai.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from deploy.openai.reply import Reply, error_reply, sse_event
 from deploy.openai.responses import TokenText, new_id
 from deploy.openai.serving_chat import ChatChunks, chat_response
 from deploy.openai.serving_completion import CompletionChoices, completion_chunks, completion_response
@@ -47,24 +47,6 @@ from deploy.openai.structured import Constraint
 from deploy.openai.tools import ApiOptions
 from deploy.timeline import TimelineLog
 from sampler.params import StructuredOutputsParams, check_text
-
-
-class Reply(msgspec.Struct, frozen=True):
-    """The head of a response: ``status`` with a JSON ``body``, or (``stream``) the
-    server-sent-event text follows in the next items."""
-
-    status: int = 200
-    body: Any = None
-    stream: bool = False
-
-
-def error_reply(exc: APIError) -> Reply:
-    return Reply(status=exc.status, body=exc.body())
-
-
-def _sse(payload: Any) -> str:
-    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_unset=True)
-    return f"data: {data}\n\n"
 
 
 async def _run_all(awaitables: list[Any]) -> list[Any]:
@@ -163,7 +145,7 @@ class EngineServer:
     for one model. ``args`` are ``ServerArgs`` as a dict."""
 
     def __init__(self, args: dict[str, Any]) -> None:
-        from deploy.serve import ServerArgs  # the argument model lives with the builders
+        from deploy.server_args import ServerArgs
 
         self.args = ServerArgs.model_validate(args)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -291,8 +273,8 @@ class EngineServer:
     @staticmethod
     async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         out = None
-        async for out in stream:
-            pass
+        async for item in stream:
+            out = item
         return out
 
     def _trace(self, key: str, started: float, requests: list[Any], first_event: float | None) -> None:
@@ -331,12 +313,12 @@ class EngineServer:
                     for chunk in chunks_of(index, out):
                         if first is None:
                             first = time.time()
-                        yield _sse(chunk)
+                        yield sse_event(chunk)
             if include_usage:
-                yield _sse(json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+                yield sse_event(json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
                                        "choices": [], "usage": total_usage().model_dump()}))
         except APIError as exc:
-            yield _sse(json.dumps(exc.body()))
+            yield sse_event(json.dumps(exc.body()))
         finally:
             trace(first)
         yield "data: [DONE]\n\n"

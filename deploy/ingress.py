@@ -26,19 +26,19 @@ from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.engine_server import Reply, _sse
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, error_body
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from deploy.openai.reply import Reply, sse_event
 from deploy.timeline import TimelineLog
 
 logger = logging.getLogger("ray.serve")
@@ -215,7 +215,7 @@ class OpenAIIngress:
                     trace["first_text"] = time.time()
                 yield text
         except ENGINE_GONE as exc:
-            yield _sse(json.dumps(self._unavailable(exc).body()))
+            yield sse_event(json.dumps(self._unavailable(exc).body()))
             yield "data: [DONE]\n\n"
         finally:
             _cancel(stream)  # the client left (or the stream ended): the engine stops

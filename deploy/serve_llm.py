@@ -49,7 +49,8 @@ from ray import serve
 
 from cluster.config import EngineConfig
 from deploy.request_router import from_ray_serve_llm
-from deploy.serve import ServerArgs, StructuredOutputsConfig, engine_deployment, ingress_deployment
+from deploy.serve import engine_deployment, ingress_deployment
+from deploy.server_args import ServerArgs, StructuredOutputsConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -450,7 +451,7 @@ class ModelLoadingConfig(_Strict):
     tokenizer_source: str | None = None
 
     @model_validator(mode="after")
-    def _sources(self) -> "ModelLoadingConfig":
+    def _sources(self) -> ModelLoadingConfig:
         if not self.model_id:
             raise ValueError("model_id: must not be empty")
         source = self.model_source
@@ -541,7 +542,7 @@ class LLMConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _mapped(self) -> "LLMConfig":
+    def _mapped(self) -> LLMConfig:
         self._plan = self._make_plan()
         return self
 
@@ -634,7 +635,7 @@ class LLMConfig(_Strict):
         _check_engine_types(engine, 1)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "LLMConfig":
+    def from_file(cls, path: str | Path) -> LLMConfig:
         """An ``LLMConfig`` from a YAML file (Ray Serve LLM's ``LLMConfig.from_file``)."""
         with open(path, encoding="utf-8") as f:
             return cls.model_validate(yaml.safe_load(f))
@@ -665,7 +666,7 @@ class LLMServingArgs(_Strict):
         return loaded
 
     @model_validator(mode="after")
-    def _models(self) -> "LLMServingArgs":
+    def _models(self) -> LLMServingArgs:
         if not self.llm_configs:
             raise ValueError("llm_configs: the list of models is empty")
         seen: set[str] = set()

@@ -9,8 +9,9 @@ Modules, one idea each:
                     block after a token budget
   metadata          SamplingMetadata: one batch's sampling parameters as tensors
   ops/              tensor kernels (penalties, top-k, top-k/top-p, bad words)
-  sampler           Sampler: the order of operations, top to bottom, and the Positions
-                    of speculative decoding
+  positions         Positions: the batch row and draft prefix of each logits row
+                    (speculative decoding)
+  sampler           Sampler: the order of operations, top to bottom
   rejection_sampler RejectionSampler: verifying draft tokens
   demo              the sampler on its own, on a toy distribution
 """

@@ -67,7 +67,7 @@ class SamplingMetadata:
         thinking_budget: ThinkingBudgetStateHolder | None = None,
         spec_token_ids: list[list[int]] | None = None,
         config: SamplerConfig | None = None,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Builds a batch's metadata from per-row requests (one entry per row).
 
         Seeded rows get a generator seeded with their seed unless ``generators`` already
@@ -91,7 +91,7 @@ class SamplingMetadata:
         if logitsprocs is None and any(p.structured_outputs is not None for p in params):
             raise ValueError(  # the built-ins cannot enforce it: never ignore it silently
                 "structured_outputs is enforced by the worker's StructuredOutputLogitsProcessor "
-                "(worker/runner/structured_output.py): pass logitsprocs that include it"
+                "(worker/structured_output.py): pass logitsprocs that include it"
             )
         if logitsprocs is None:
             logitsprocs = build_logitsprocs(config, device)
@@ -127,7 +127,7 @@ class SamplingMetadata:
         logitsprocs: LogitsProcessors,
         thinking_budget: ThinkingBudgetStateHolder | None,
         spec_token_ids: list[list[int]] | None,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """The tensors for already-validated rows (the worker's incremental batch uses
         the same layout)."""
         n = len(params)

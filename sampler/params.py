@@ -106,7 +106,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``properties`` get ``additionalProperties: false`` unless they say otherwise),
     ``whitespace_pattern`` (a regex for the whitespace allowed between tokens).
 
-    The worker enforces it (``worker/runner/structured_output.py``, llguidance); here
+    The worker enforces it (``worker/structured_output.py``, llguidance); here
     the shape is checked, and ``LLMEngine.make_request`` compiles it before it is queued.
     Invalid values raise ``ValueError`` naming ``structured_outputs.<field>``.
     """
@@ -395,7 +395,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     seqs.append(ids)
         self.bad_words_token_ids = seqs
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         """A validated deep copy (no list or dict shared) with some fields changed."""
         out = msgspec.structs.replace(copy.deepcopy(self), **changes)
         out._validate()

@@ -21,7 +21,8 @@ import torch
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.ops.topk_topp import inverse_cdf_sample, scatter_candidates, truncate_top_k_top_p
-from sampler.sampler import Positions, Sampler, apply_processors, release_unusable_rows
+from sampler.positions import Positions
+from sampler.sampler import Sampler, apply_processors, release_unusable_rows
 
 PLACEHOLDER_TOKEN_ID = -1
 

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +23,7 @@ from sampler.ops.topk_topp import (
     scatter_candidates,
     truncate_top_k_top_p,
 )
+from sampler.positions import Positions
 
 
 @dataclass
@@ -47,39 +48,6 @@ class SamplerOutput:
     #: float32): sampled from a uniform row instead, so NaN never reaches sampling;
     #: finish them with an error too.
     nonfinite_rows: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Positions:
-    """Logits rows that are not one-per-batch-row: row ``i`` belongs to batch row
-    ``row_index[i]`` and follows that row's output plus the draft tokens
-    ``prefixes[i]`` (speculative decoding)."""
-
-    row_index: np.ndarray
-    prefixes: list[list[int]]
-
-    @classmethod
-    def bonus(cls, spec_token_ids: Sequence[Sequence[int]], num_rows: int) -> "Positions":
-        prefixes = [list(spec_token_ids[i]) if i < len(spec_token_ids) else [] for i in range(num_rows)]
-        return cls(np.arange(num_rows), prefixes)
-
-    @classmethod
-    def drafts(cls, draft_token_ids: Sequence[Sequence[int]]) -> "Positions":
-        rows: list[int] = []
-        prefixes: list[list[int]] = []
-        for row, drafts in enumerate(draft_token_ids):
-            for j in range(len(drafts)):
-                rows.append(row)
-                prefixes.append(list(drafts[:j]))
-        return cls(np.asarray(rows, dtype=np.int64), prefixes)
-
-    @property
-    def is_one_per_row(self) -> bool:
-        """Logits row i is batch row i (the bonus layout)."""
-        return bool((self.row_index == np.arange(len(self.row_index))).all())
-
-    def past_tokens(self, outputs: Sequence[Sequence[int]]) -> list[list[int]]:
-        return [list(outputs[r]) + p for r, p in zip(self.row_index.tolist(), self.prefixes)]
 
 
 def compute_logprobs(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

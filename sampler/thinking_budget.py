@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from sampler.logits_processor.interface import BatchUpdate, MoveDirectionality
+from sampler.positions import Positions
 
 
 class ReasoningConfig(msgspec.Struct, kw_only=True):
@@ -49,7 +50,7 @@ class ReasoningConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be a non-empty list of token ids, got {ids!r}")
 
     @classmethod
-    def from_strings(cls, start: str, end: str, tokenizer: Any) -> "ReasoningConfig":
+    def from_strings(cls, start: str, end: str, tokenizer: Any) -> ReasoningConfig:
         """Tokenizes the start/end markers (e.g. "<think>", "</think>")."""
         start_ids = list(tokenizer.encode(start, add_special_tokens=False))
         end_ids = list(tokenizer.encode(end, add_special_tokens=False))
@@ -240,8 +241,6 @@ class ThinkingBudgetStateHolder:
         (its draft positions), row after row. With ``predict_bonus_token`` True: one row
         per batch row, at the bonus position after all of its drafts. The positions are
         the sampler's own (``Positions``), forced by ``apply_at_positions``."""
-        from sampler.sampler import Positions  # sampler.sampler imports this module
-
         if not self.is_enabled or not self._state:
             return logits
         specs = spec_token_ids or []

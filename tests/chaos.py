@@ -39,7 +39,6 @@ from typing import Any
 
 import httpx
 import psutil
-
 from helpers import TEMPLATE, free_port
 
 MODEL = "tiny"

@@ -270,7 +270,6 @@ class Check:
         return True, f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}"
 
     def install(self) -> str | None:
-        t0 = time.monotonic()
         site = tempfile.mkdtemp(prefix="raydecode-site-")
         wheels = sorted(str(p) for p in self.bundle.glob("*.whl"))
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",

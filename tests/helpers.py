@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 import torch
-
-from sampler.params import SamplingParams
 from worker_driver import MiniDriver, greedy_divergence
 
+from sampler.params import SamplingParams
+
 if TYPE_CHECKING:
+    from worker.protocol import StepRequest
     from worker.transport.actor import Worker
-    from worker.transport.protocol import StepRequest
 
 # -- the worker and its references ------------------------------------------------------
 

@@ -99,9 +99,11 @@ def test_bad_input_raises_in_the_caller(engine):
             await collect(engine, "", GREEDY, "bad2")
 
         async def hold():
+            last = None
             async for out in engine.generate("dup", GREEDY.clone(max_tokens=50), "dup"):
+                last = out
                 await asyncio.sleep(0.01)
-            return out
+            return last
 
         first = asyncio.ensure_future(hold())
         await asyncio.sleep(0.05)

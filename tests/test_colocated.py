@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from helpers import free_port
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
@@ -17,7 +18,6 @@ from deploy.cli import main
 from deploy.colocated import Admission, LocalEngine
 from deploy.ingress import over_cluster_transport
 from deploy.serve import ServerArgs, build_app
-from helpers import free_port
 
 
 class FakeServer:
@@ -89,7 +89,7 @@ def test_admission_keeps_the_engine_replicas_limits_in_process():
             await admission.enter()
             order.append(name)
 
-        a, b = asyncio.ensure_future(wait("a")), asyncio.ensure_future(wait("b"))
+        a, _b = asyncio.ensure_future(wait("a")), asyncio.ensure_future(wait("b"))
         await asyncio.sleep(0)
         with pytest.raises(BackPressureError):
             await admission.enter()  # two running, two waiting: the fifth is refused

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import make_worker, prompts
+from torch import nn
+from worker_driver import MiniDriver, greedy_divergence
+
 from sampler.params import SamplingParams
+from worker.cpu.kernels import load as load_cpu_kernels
 from worker.cpu.packed_linear import (
     MKL_PACK_ROWS,
     MklPackedWeight,
@@ -25,8 +27,6 @@ from worker.cpu.packed_linear import (
     pack_linear_layers,
     packable_dtypes,
 )
-from worker.cpu.kernels import load as load_cpu_kernels
-from worker_driver import MiniDriver, greedy_divergence
 
 OPS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
@@ -280,7 +280,7 @@ def test_the_large_calls_library_is_the_faster_one_unless_set(monkeypatch):
     assert packed_linear.choose_gemm_library(probe, "mkl")[0] is True
     assert packed_linear.choose_gemm_library(probe, "onednn")[0] is False
     for mkl, onednn, want in ((0.002, 0.004, True), (0.009, 0.004, False)):
-        monkeypatch.setattr(packed_linear, "time_gemms", lambda *a, **k: {"mkl": mkl, "onednn": onednn})
+        monkeypatch.setattr(packed_linear, "time_gemms", lambda *a, mkl=mkl, onednn=onednn, **k: {"mkl": mkl, "onednn": onednn})
         use_mkl, why = packed_linear.choose_gemm_library(probe, "auto")
         assert use_mkl is want and ("MKL" if want else "oneDNN") in why.split()[0]
 

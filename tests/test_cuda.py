@@ -118,6 +118,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 def test_the_sampler_on_cuda_equals_the_reference():
     from reference_sampler import reference_row, tv_distance
+
     from sampler.config import SamplerConfig
     from sampler.metadata import SamplingMetadata
     from sampler.sampler import Sampler
@@ -176,9 +177,10 @@ def test_compiled_flex_on_cuda_equals_the_torch_path(dtype):
     per window must serve them all, each equal to the gather + SDPA path (sliding
     windows of 40 and 64 among them)."""
     from helpers import random_paged_case
+
+    from worker.gpu.flex_attention import FlexPagedAttention
     from worker.runner.attention import attend_cached
     from worker.runner.attention_plan import AttentionPlan
-    from worker.runner.flex_attention import FlexPagedAttention
 
     shapes = [([1] * 7, 60, 0, None), ([1, 3, 1, 40], 50, 2, None), ([90, 17], 9, 0, None), ([1] * 33, 300, 1, None),
               ([16, 1, 200], 0, 3, None), ([1] * 9, 120, 1, 40), ([1, 200, 3], 30, 2, 64)]
@@ -204,9 +206,10 @@ def test_a_plan_built_on_the_host_equals_one_built_on_the_gpu():
     shaped for CUDA, and copies it in: tensor for tensor it equals the plan built on the
     GPU, and the block positions the mask function reads arrive on the GPU."""
     from helpers import random_paged_case
+
+    from worker.gpu.cuda_graphs import _plan_tensors
+    from worker.gpu.flex_attention import FlexPagedAttention
     from worker.runner.attention_plan import AttentionPlan
-    from worker.runner.cuda_graphs import _plan_tensors
-    from worker.runner.flex_attention import FlexPagedAttention
 
     cache, rows, cached, lens, table, _ = random_paged_case(3, [1] * 9, 70, 2, 4, 64, 16, torch.bfloat16, 2)
     device = torch.device("cuda")

@@ -6,15 +6,16 @@ import copy
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_TYPE
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
+from cluster.config import EngineConfig
 from deploy.cli import throughput_serve_env
 from deploy.serve import ServerArgs, build_app
-from cluster.config import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -82,15 +83,15 @@ def test_fake_cluster_has_a_head_without_the_worker_resource():
 def test_validation_is_real():
     broken = load("cluster.yaml")
     broken["available_node_types"]["gpu_worker"]["min_workers"] = "one"
-    with pytest.raises(Exception):
+    with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
     broken = load("cluster-local.yaml")
     broken["worker_start_ray_commands"] = "ray start"  # a string, not a list
-    with pytest.raises(Exception):
+    with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
     broken = load("cluster-fake.yaml")
     broken["available_node_types"]["raydecode.worker"]["resources"] = {"CPU": "one"}
-    with pytest.raises(Exception):
+    with pytest.raises(jsonschema.ValidationError):
         validate_config(broken)
     broken = load("cluster-local.yaml")
     del broken["provider"]["head_ip"]

@@ -49,9 +49,9 @@ import httpx
 import psutil
 import pytest
 import yaml
+from helpers import assert_greedy_equal, free_port, generate, stream_completion_text
 
 from deploy.cli import throughput_serve_env
-from helpers import assert_greedy_equal, free_port, generate, stream_completion_text
 
 if TYPE_CHECKING:
     from ray.autoscaler.v2.schema import ClusterStatus
@@ -261,7 +261,6 @@ def driver(address: str):
     """This process connected to the fake cluster (for ``serve.status()``); a shared
     local Ray it had is shut down meanwhile and started again after."""
     import ray
-
     from conftest import start_local_ray
 
     had_local = ray.is_initialized()

@@ -31,6 +31,8 @@ import psutil
 import pytest
 import ray
 import torch
+from conftest import start_local_ray
+from helpers import prompts
 from ray.exceptions import ObjectReconstructionFailedError
 
 import cluster.engine as engine_module
@@ -38,8 +40,6 @@ import cluster.worker_pool as worker_pool
 from cluster import LLM, RequestOutput
 from cluster.engine import LLMEngine
 from cluster.output_processor import apply_reply
-from conftest import start_local_ray
-from helpers import prompts
 from sampler.params import SamplingParams
 from worker.transport.step_channel import shutdown_connection
 
@@ -218,8 +218,9 @@ def float_noise_flip(prompt: list[int], prefix: list[int], seed: int, temperatur
     are neighbours in the sampler's (vocabulary-order) CDF and the row's own uniform for
     this position lies within 1e-4 of the boundary between them; a wrong random stream
     (a generator at the wrong position) is never excused."""
-    from sampler.metadata import seeded_generator
     from transformers import AutoModelForCausalLM
+
+    from sampler.metadata import seeded_generator
 
     if abs(got - want) != 1:
         return False

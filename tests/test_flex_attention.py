@@ -1,4 +1,4 @@
-"""Paged attention through FlexAttention (``worker/runner/flex_attention.py``, the path
+"""Paged attention through FlexAttention (``worker/gpu/flex_attention.py``, the path
 CUDA workers take) against the torch reference path (gather each row's blocks, then
 SDPA or the written-out soft-capped math), on CPU: eager on random small pools (decodes,
 speculative query runs, prefill chunks continuing a cached prefix, rows sharing prefix
@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import random_paged_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import random_paged_case
+from worker.gpu.flex_attention import FlexPagedAttention
 from worker.runner.attention import attend_cached
 from worker.runner.attention_plan import AttentionPlan
-from worker.runner.flex_attention import FlexPagedAttention
 from worker.runner.kv_pool import PagedKVCache
 
 # Eager FlexAttention warns that it is unfused; here that is the point (an exact path).
@@ -182,8 +182,9 @@ def greedy_run(path: str, before=None, **config) -> dict[str, tuple[list[int], l
     """Greedy tokens and logprobs of a fixed mix of requests; ``before(worker)`` runs
     ahead of the first step."""
     from helpers import make_worker, prompts
-    from sampler.params import SamplingParams
     from worker_driver import MiniDriver
+
+    from sampler.params import SamplingParams
 
     config.setdefault("num_spec_tokens", 0 if config.get("cuda_graphs") else 2)
     w = make_worker(path, **config)
@@ -224,7 +225,7 @@ def test_graphs_replay_a_model_with_a_sliding_window(tmp_path, caplog, arch):
 
     path = str(build_tiny_model(tmp_path / arch, arch=arch))
     settled = []
-    with caplog.at_level(logging.WARNING, logger="worker.runner.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="worker.gpu.cuda_graphs"):
         graphs = greedy_run(path, before=lambda w: settled.append(set(w._runner.backend.attention_kernel.windows)),
                             flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
     assert "CUDA graphs are off" not in caplog.text
@@ -279,7 +280,7 @@ def test_graphs_turn_themselves_off_when_a_layer_takes_the_torch_path(tmp_path, 
 
     path = str(build_tiny_model(tmp_path / "mistral", arch="mistral"))
     forget = lambda w: setattr(w._runner.backend.attention_kernel, "windows", NeverLearns({None}))  # noqa: E731
-    with caplog.at_level(logging.WARNING, logger="worker.runner.cuda_graphs"):
+    with caplog.at_level(logging.WARNING, logger="worker.gpu.cuda_graphs"):
         graphs = greedy_run(path, before=forget, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
     assert "CUDA graphs are off for this model: some layers' attention takes the torch path" in caplog.text
     kernel = greedy_run(path)
@@ -306,7 +307,8 @@ def test_compiled_norms_give_the_tokens_of_transformers_norms(tiny_model_path):
     eagerly through it. In float32 the tokens and logprobs are those of transformers'
     own norms (rows joining and leaving, buckets 1-4, padding rows)."""
     from helpers import make_worker
-    from worker.runner.compiled_norms import CompiledNorms
+
+    from worker.gpu.compiled_norms import CompiledNorms
 
     w = make_worker(tiny_model_path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)
     norms = [m for m in w._runner.model.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -328,7 +330,7 @@ def test_compiled_norms_run_only_inside_the_switch():
     outside it, with the same result (float32)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from worker.runner.compiled_norms import CompiledNorms
+    from worker.gpu.compiled_norms import CompiledNorms
 
     model = torch.nn.Sequential(LlamaRMSNorm(8), torch.nn.Linear(8, 8), LlamaRMSNorm(8))
     model[0].weight.data.uniform_(0.5, 1.5)

@@ -37,9 +37,7 @@ from sampler.logits_processor import (
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
-from worker.runner.input_batch import InputBatch
-from worker.runner.kv_pool import PagedKVCache
-from worker.transport.protocol import (
+from worker.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
     Int32Array,
@@ -47,6 +45,8 @@ from worker.transport.protocol import (
     ProtocolError,
     StepRequest,
 )
+from worker.runner.input_batch import InputBatch
+from worker.runner.kv_pool import PagedKVCache
 
 V = 48
 R = 8

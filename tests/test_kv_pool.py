@@ -8,8 +8,8 @@ import psutil
 import torch
 
 from cluster.config import EngineConfig
-from worker.runner.kv_pool import PagedKVCache
 from worker.config import WorkerConfig
+from worker.runner.kv_pool import PagedKVCache
 
 MIB = 2**20
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from helpers import served
 from hf_reference import HFReference
 

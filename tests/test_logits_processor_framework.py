@@ -424,7 +424,7 @@ BAD_SPECS = [
     # (entry, reason pattern)
     (f"{MOD}.RecordingProc", r"':'|colon|module:|Qualname|format"),
     (f"{MOD}:RecordingProc:extra", r"':'|colon|module:|Qualname|format"),
-    (f"a:b:c", r"':'|colon|module:|Qualname|format"),
+    ("a:b:c", r"':'|colon|module:|Qualname|format"),
     (":RecordingProc", r"empty|module"),
     (f"{MOD}:", r"empty|name|class"),
     (f"{MOD}:NoSuchClass", r"attribute|has no|not found|NoSuchClass"),

@@ -24,14 +24,14 @@ import signal
 import pytest
 import ray
 import torch
+from helpers import prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM, RequestOutput
-from helpers import prompts
 from sampler.params import SamplingParams
 from worker.cpu.shm_allreduce import ShmAllReduce
-from worker.runner.parallel_layout import (
+from worker.parallel.layout import (
     ModelShape,
     ParallelSizeError,
     check_parallel_sizes,
@@ -128,7 +128,7 @@ def full_model(tiny_model_path):
 
 
 def _shard(path: str, tp: int, pp: int, rank: int):
-    from worker.runner.sharded_loader import load_model_shard
+    from worker.parallel.sharded_loader import load_model_shard
 
     loaded, layout = load_model_shard(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=rank,
                                       device="cpu", dtype="float32")
@@ -161,7 +161,7 @@ def test_tensor_shards_put_back_together_are_the_checkpoint(tiny_model_path, ful
     kv = sum(l.self_attn.k_proj.weight.numel() + l.self_attn.v_proj.weight.numel() for l in full_model.model.layers)
     copies = max(1, tp // full_model.config.num_key_value_heads)  # ranks holding each KV head
     assert sum(layer_weights(m) for m, _, _ in shards) == layer_weights(full_model) + (copies - 1) * kv
-    for m, layout, loaded in shards:
+    for m, _layout, loaded in shards:
         assert loaded.vocab_size == full_model.config.vocab_size  # the logits gathered, not a slice
         assert m.config.num_attention_heads == 4 // tp and not m.config.tie_word_embeddings
 
@@ -177,8 +177,8 @@ def test_pipeline_stages_hold_their_layers_only(tiny_model_path, full_model):
 
 def test_the_nccl_backend_is_chosen_on_cuda(monkeypatch):
     """No GPU here: the device check is faked and the initialisation mocked."""
-    import worker.runner.parallel_group as pg
-    from worker.transport.protocol import GroupRank
+    import worker.parallel.group as pg
+    from worker.protocol import GroupRank
 
     calls = {}
     monkeypatch.setattr(pg.dist, "init_process_group", lambda **kw: calls.setdefault("init", kw))
@@ -418,9 +418,8 @@ def test_smollm2_split_answers_as_one_worker(ray_local, smollm2_single, tp, pp):
 def test_smollm2_served_with_tp_3_answers_the_openai_api(ray_local):
     import json
 
-    from openai import OpenAI
-
     from helpers import served
+    from openai import OpenAI
 
     with served({"engine": {"tensor_parallel_size": 3, "max_model_len": 1024}}, "tp3") as server:
         client = OpenAI(base_url=f"{server}/v1", api_key="unused")
@@ -450,12 +449,12 @@ def test_a_group_of_one_rank_runs_the_shard_path(tiny_model_path, device):
 
     import msgspec
     import torch.distributed as dist
-
     from helpers import make_worker
-    from worker.config import WorkerConfig
-    from worker.transport.actor import Worker
-    from worker.transport.protocol import GroupRank
     from worker_driver import MiniDriver
+
+    from worker.config import WorkerConfig
+    from worker.protocol import GroupRank
+    from worker.transport.actor import Worker
 
     ps = prompts(VOCAB, [5, 40, 12], seed=51)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import ray
-
-from cluster import LLM, RequestOutput
 from conftest import start_local_ray
 from helpers import free_port, prompts
+
+from cluster import LLM, RequestOutput
 from sampler.params import SamplingParams
 
 

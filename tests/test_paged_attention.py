@@ -155,8 +155,9 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
 
 def test_greedy_output_with_the_kernel_equals_the_torch_path(tiny_model_path):
     from helpers import make_worker, prompts
-    from sampler.params import SamplingParams
     from worker_driver import MiniDriver
+
+    from sampler.params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = []
@@ -219,8 +220,8 @@ def test_the_torch_path_takes_sdpa_outputs_in_any_layout(monkeypatch):
     result either way (a ``view`` of that output failed on an H200 for a prefill chunk
     after a cached prefix)."""
     import torch.nn.functional as F
-
     from helpers import random_paged_case
+
     from worker.runner import attention
 
     cache, rows, cached, lens, table, q = random_paged_case(3, [1, 3, 40, 1], 50, 2, 4, 32, 16, torch.float32, 1)

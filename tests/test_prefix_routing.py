@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from deploy.request_router import PrefixAwareRouter, ROUTER_PATH, check_router_kwargs, routing_keys
+from deploy.request_router import ROUTER_PATH, PrefixAwareRouter, check_router_kwargs, routing_keys
 
 # -- fakes ----------------------------------------------------------------------------------
 
@@ -365,10 +365,9 @@ PER_PROMPT = 24  # chats per system prompt
 
 @pytest.fixture
 def app_url(ray_local, tiny_model_path):
-    from ray import serve
-
     from helpers import free_port
     from prefix_workload import engine_args, multi_engine_app
+    from ray import serve
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-
 from reference_sampler import reference_greedy_rejection, reference_row, tv_distance
+
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.rejection_sampler import RejectionSampler
@@ -137,7 +137,6 @@ def test_greedy_rows_against_reference(rule):
 
 def test_greedy_constraints_apply_before_the_argmax():
     """allowed_token_ids / logit_bias change the argmax the drafts are checked against."""
-    vocab = 6
     row = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
     cases = [
         (SamplingParams(temperature=0.0), [0], [0, 9]),

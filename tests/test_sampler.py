@@ -13,14 +13,13 @@ import random
 
 import pytest
 import torch
-
 from reference_sampler import NEG_INF, reference_row, softmax, tv_distance
+
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.sampler import Sampler
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
-
 
 # -- helpers ----------------------------------------------------------------------------
 
@@ -420,7 +419,6 @@ def test_mixed_batch_with_top_p_over_the_whole_vocabulary():
 
 
 def test_bad_words_multi_token_prefix_by_hand():
-    vocab = 10
     row = torch.tensor([0.0, 1.0, 0.5, 0.2, 0.1, 0.3, 0.4, 5.0, 4.0, 0.6])
     seqs = [[2, 3, 7], [5]]
     params = SamplingParams(temperature=0.0, bad_words_token_ids=seqs)

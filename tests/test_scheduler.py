@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import pytest
+from helpers import TOKENIZER, ShadowRow, ShadowWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
-from helpers import TOKENIZER, ShadowRow, ShadowWorker
 from sampler.params import SamplingParams
-from worker.transport.protocol import MovedRows
+from worker.protocol import MovedRows
 
 MAX_MODEL_LEN = 96
 MAX_PROMPT = 80

@@ -7,18 +7,17 @@ answers a normal request, and no request is left running in the engine."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
+from helpers import served
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-
-from helpers import served
+from schemathesis import GenerationMode
 
 # A template that refuses conversations that do not start with a user turn, the way
 # many real templates do (raise_exception is provided by transformers).
@@ -257,7 +256,7 @@ def test_fuzz_never_a_server_error(server):
                 response = case.call(base_url=server, timeout=120)
                 statuses[response.status_code // 100] += 1
                 if response.status_code >= 500:
-                    failures.append((op.label, case.body, response.status_code, response.text[:300]))
+                    failures.append((op.label, case.body, response.status_code, response.text[:300]))  # noqa: B023
 
             try:
                 run()

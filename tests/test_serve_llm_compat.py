@@ -265,8 +265,8 @@ def test_the_app_is_one_ingress_over_one_engine_deployment_per_model():
 
 
 def test_each_engine_kwarg_name_has_one_meaning():
-    from deploy.serve_llm import ALWAYS, LORA_KWARGS, PD_KWARGS, RENAMED, SERVER_FIELDS, VLLM_ONLY
     from cluster.config import EngineConfig
+    from deploy.serve_llm import ALWAYS, LORA_KWARGS, PD_KWARGS, RENAMED, SERVER_FIELDS, VLLM_ONLY
 
     handled = set(EngineConfig.__struct_fields__) | set(RENAMED) | SERVER_FIELDS | set(ALWAYS) | LORA_KWARGS | PD_KWARGS
     assert not VLLM_ONLY & handled  # a name listed as vLLM-only is one raydecode handles
@@ -320,10 +320,9 @@ def _wait_running(timeout: float) -> float:
 def deployed(ray_local, tiny_model_path, tmp_path_factory):
     """The Ray-docs config, import_path swapped, deployed as ``serve run config.yaml``
     deploys one; yields (base URL, model A's path, model B's path)."""
+    from helpers import free_port
     from ray import serve
     from ray.serve._private.api import serve_start
-
-    from helpers import free_port
     from tiny_model import build_tiny_model
 
     tiny_b = str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), seed=1))  # other weights

@@ -47,7 +47,6 @@ from typing import Any
 
 import pytest
 import ray
-
 from chaos import (
     ChaosCluster,
     Fault,
@@ -197,6 +196,7 @@ def test_sigkill_of_a_worker_under_load_loses_nothing(chaos: ChaosCluster, one_r
 def test_removing_the_node_of_a_worker_under_load_loses_nothing(chaos: ChaosCluster, one_replica: str) -> None:
     nodes_before = {n.node_id for n in chaos.worker_nodes}
     fault = check_worker_fault(one_replica, chaos, lambda: remove_worker_node(chaos, random.Random(2)), "node")
+    assert fault.kind == "node removal"
     nodes_now = {n.node_id for n in chaos.worker_nodes}
     assert len(nodes_now) == 2 and len(nodes_before - nodes_now) == 1
     (fresh,) = nodes_now - nodes_before

@@ -20,9 +20,8 @@ import jsonschema
 import openai
 import pytest
 import regex
-from pydantic import BaseModel, ConfigDict, Field
-
 from helpers import TEMPLATE, post_json, served
+from pydantic import BaseModel, ConfigDict, Field
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -39,7 +38,7 @@ CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 
 
 def _string(max_len: int | None = None) -> str:
-    return '"' + CHAR + ("*" if max_len is None else "{0,%d}" % max_len) + '"'
+    return '"' + CHAR + ("*" if max_len is None else f"{{0,{max_len}}}") + '"'
 
 
 def _person(ws: str) -> regex.Pattern:

@@ -30,8 +30,8 @@ from sampler.metadata import SamplingMetadata
 from sampler.params import MAX_SCHEMA_DEPTH, SamplingParams, StructuredOutputsParams
 from sampler.rejection_sampler import RejectionSampler
 from sampler.sampler import Sampler
-from worker.transport.protocol import PROTOCOL_VERSION, AddedRequest, Codec, Int32Array, StepRequest
-from worker.runner.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
+from worker.protocol import PROTOCOL_VERSION, AddedRequest, Codec, Int32Array, StepRequest
+from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
 
 VOCAB = 400
 EOS = 0
@@ -427,7 +427,7 @@ def test_rows_follow_adds_removes_moves_and_swaps(compiler, data):
             expected.append(mask_of(fresh, 1)[0])
         current = mask_of(proc, len(shadow))
         assert current == expected
-        for (params, output), allowed in zip(shadow, current):  # one more token per row
+        for (_params, output), allowed in zip(shadow, current):  # one more token per row
             allowed.discard(EOS)
             if allowed:
                 output.append(rng.choice(sorted(allowed)))
@@ -587,8 +587,8 @@ def test_random_rows_never_accept_or_recover_a_banned_token(compiler, tok):
 def test_the_worker_builds_the_processor_idle_until_a_row_asks(tiny_model_path):
     """The built-ins plus structured outputs; ``build_logitsprocs`` itself (the sampler
     library) does not know about it."""
-    from worker.runner.model_runner import ModelRunner
     from worker.config import WorkerConfig
+    from worker.runner.model_runner import ModelRunner
 
     runner = ModelRunner(WorkerConfig(model=tiny_model_path, max_num_seqs=2, max_model_len=64))
     procs = [p for p in runner.batch.logitsprocs.non_argmax_invariant if isinstance(p, StructuredOutputLogitsProcessor)]
@@ -605,8 +605,8 @@ def test_the_worker_builds_the_processor_idle_until_a_row_asks(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def worker_factory(tiny_model_path):
-    from worker.transport.actor import Worker
     from worker.config import WorkerConfig
+    from worker.transport.actor import Worker
 
     def make(**config) -> Worker:
         w = Worker()

@@ -15,14 +15,14 @@ import jsonschema
 import pytest
 import regex
 import torch
+from helpers import NEAR_TIE, prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, RequestOutput
-from helpers import NEAR_TIE, prompts
 from sampler.params import SamplingParams, StructuredOutputsParams
-from worker.runner.structured_output import GrammarCompiler
+from worker.structured_output import GrammarCompiler
 
 VOCAB = 400
 MAX_TOKENS = 96

@@ -26,7 +26,7 @@ import torch
 
 from sampler.logits_processor import BatchUpdate, MoveDirectionality
 from sampler.params import SamplingParams
-from sampler.sampler import Positions
+from sampler.positions import Positions
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
 
 V = 32

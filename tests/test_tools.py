@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from helpers import post_json, served
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,6 @@ from deploy.openai.tool_parsers import (
     NamedFunctionParser,
     RequiredCallsParser,
 )
-from helpers import post_json, served
 
 # A Hermes / Qwen-style template: the tools in a system turn (their names only: the
 # tiny model's 512 positions cannot hold their schemas), earlier calls as <tool_call>

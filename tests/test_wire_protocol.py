@@ -1,4 +1,4 @@
-"""The driver <-> worker wire format (worker/transport/protocol.py).
+"""The driver <-> worker wire format (worker/protocol.py).
 
 Round trips of StepRequest / StepReply built from random data come back equal and with
 bit-identical arrays; malformed messages raise ProtocolError naming the field path;
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sampler.params import RequestOutputKind, SamplingParams
-from worker.transport.protocol import (
+from worker.protocol import (
     EMPTY_F32,
     EMPTY_I32,
     PROTOCOL_VERSION,

@@ -8,20 +8,20 @@ import os
 import msgspec
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from helpers import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
+from transformers import AutoModelForCausalLM
+from worker_driver import MiniDriver
+
 from sampler.params import SamplingParams
-from worker.transport.actor import create_worker, decode_info
-from worker.transport.protocol import (
+from worker.config import WorkerConfig
+from worker.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,
     Int32Array,
     StepRequest,
 )
-from worker.config import WorkerConfig
-from worker_driver import MiniDriver
+from worker.transport.actor import create_worker, decode_info
 
 TESTS_DIR = os.path.dirname(__file__)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

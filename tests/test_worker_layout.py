@@ -1,7 +1,9 @@
-"""The worker package's layout rules, checked: importing ``worker`` registers nothing with
-transformers (the runner registers its attention when it loads a model), no attention
-kernel lives in a module global (it travels in each step's plan), and only
-``worker/transport`` imports Ray (the runner and the CPU backend run in any process)."""
+"""The worker package's layout rules, checked at run time (the import contracts of
+``tests/test_import_contracts.py`` check the static import graph): the rooms it has,
+importing it registers nothing with transformers (the runner registers its attention
+when it loads a model), importing the Ray-free rooms loads no Ray (directly or through a
+library), and no attention kernel lives in a module global (it travels in each step's
+plan)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import worker
 
 ROOT = Path(__file__).resolve().parents[1]
+RAY_FREE_ROOMS = ("runner", "cpu", "gpu", "parallel")
 
 
 def _modules(package: str) -> list[str]:
@@ -26,15 +29,15 @@ def _run(code: str) -> str:
     return out.stdout
 
 
-def test_the_worker_has_three_rooms():
+def test_the_worker_has_its_rooms():
     rooms = sorted(p.name for p in (ROOT / "worker").iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert rooms == ["cpu", "runner", "transport"]
+    assert rooms == ["cpu", "gpu", "parallel", "runner", "transport"]
     assert (ROOT / "worker" / "cpu" / "csrc" / "paged_attention.cpp").exists()
     assert not list((ROOT / "worker").glob("*.cpp")), "C++ sources live in worker/cpu/csrc"
 
 
 def test_importing_the_worker_registers_nothing_with_transformers():
-    modules = _modules("worker.runner") + _modules("worker.cpu") + _modules("worker.transport")
+    modules = [m for room in (*RAY_FREE_ROOMS, "transport") for m in _modules(f"worker.{room}")] + _modules("worker")
     code = "\n".join([f"import {m}" for m in modules] + [
         "from transformers import AttentionInterface",
         "from worker.runner.attention import ATTENTION_NAME",
@@ -47,24 +50,32 @@ def test_importing_the_worker_registers_nothing_with_transformers():
     assert _run(code).strip() == "ok"
 
 
-def test_the_runner_and_the_cpu_backend_import_no_ray():
-    modules = _modules("worker.runner") + _modules("worker.cpu") + ["worker", "worker.config"]
+def test_the_ray_free_rooms_load_no_ray():
+    """What the contracts cannot see: no library these rooms import pulls Ray in."""
+    modules = [m for room in RAY_FREE_ROOMS for m in _modules(f"worker.{room}")]
+    modules += ["worker", "worker.config", "worker.protocol", "worker.structured_output", "worker.build"]
     code = "\n".join([f"import {m}" for m in modules] + ["import sys", "print('ray' in sys.modules)"])
     assert _run(code).strip() == "False"
-    for path in [*(ROOT / "worker" / "runner").glob("*.py"), *(ROOT / "worker" / "cpu").glob("*.py")]:
-        text = path.read_text()
-        assert "import ray" not in text and "from ray" not in text, path
 
 
 def test_no_attention_kernel_lives_in_a_module_global(tiny_model_path):
     """A loaded runner's kernel is its backend's and its plans'; no worker module holds one."""
+    from worker.build import build_runner
     from worker.cpu.paged_attention import CpuPagedKernel
-    from worker.runner.flex_attention import FlexPagedAttention
-    from worker.runner.model_runner import ModelRunner
+    from worker.gpu.flex_attention import FlexPagedAttention
 
-    runner = ModelRunner(worker.WorkerConfig(model=tiny_model_path, max_num_seqs=2, max_model_len=64))
+    runner = build_runner(worker.WorkerConfig(model=tiny_model_path, max_num_seqs=2, max_model_len=64))
     assert isinstance(runner.backend.attention_kernel, CpuPagedKernel) or runner.backend.attention_kernel is None
     for name, module in list(sys.modules.items()):
         if name == "worker" or name.startswith("worker."):
             for attr, value in vars(module).items():
                 assert not isinstance(value, (CpuPagedKernel, FlexPagedAttention)), f"{name}.{attr} holds a kernel"
+
+
+def test_the_runner_alone_runs_the_reference_paths(tiny_model_path):
+    """Without a chosen backend a runner runs transformers' forward and the torch
+    attention: what every backend is tested against."""
+    from worker.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(worker.WorkerConfig(model=tiny_model_path, max_num_seqs=2, max_model_len=64))
+    assert runner.backend.attention_kernel is None and runner.backend.decoder is None and runner.graphs is None

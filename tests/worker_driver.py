@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sampler.params import SamplingParams
-from worker.transport.protocol import (
+from worker.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import msgspec
 
 from sampler.config import DEFAULT_MAX_LOGPROBS, LogprobsMode, SamplerConfig, check_logprobs_options
-from worker.runner.parallel_layout import parse_partition
 
 
 def is_int(value: object) -> bool:
@@ -197,3 +196,17 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
             max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
             logits_processors=list(self.logits_processors),
         )
+
+
+def parse_partition(text: str | None) -> list[int] | None:
+    """``"10,10,10"`` -> ``[10, 10, 10]`` (None stays None); ``ValueError`` naming
+    ``pipeline_layer_partition`` otherwise."""
+    if text is None:
+        return None
+    try:
+        parts = [int(p) for p in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"pipeline_layer_partition must be comma-separated layer counts, got {text!r}") from None
+    if not parts or any(p < 1 for p in parts):
+        raise ValueError(f"pipeline_layer_partition must be positive layer counts, got {text!r}")
+    return parts

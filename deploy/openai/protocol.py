@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -111,7 +111,7 @@ class SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     #: per-request arguments for custom logits processors (SamplingParams.extra_args)
-    vllm_xargs: dict[str, Union[str, int, float, list[Union[str, int, float]]]] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     length_penalty: float = 1.0  # beam search only: accepted and without effect, as vLLM
     priority: int = 0
     # vLLM's response options
@@ -123,7 +123,7 @@ class SamplingFields(OpenAIBaseModel):
     # structured outputs: at most one of these constrains the output (see ``output_constraint``)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
-    guided_json: Union[str, dict[str, Any]] | None = None  # vLLM's legacy fields (removed in vLLM 0.12)
+    guided_json: str | dict[str, Any] | None = None  # vLLM's legacy fields (removed in vLLM 0.12)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -247,7 +247,7 @@ class SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
@@ -320,7 +320,7 @@ class NamedToolChoice(OpenAIBaseModel):
 
 class CalledFunction(OpenAIBaseModel):
     name: str = Field(max_length=MAX_TOOL_NAME_CHARS)
-    arguments: Union[str, dict[str, Any]] | None = None  # a JSON string (OpenAI) or an object
+    arguments: str | dict[str, Any] | None = None  # a JSON string (OpenAI) or an object
 
 
 class MessageToolCall(OpenAIBaseModel):
@@ -333,13 +333,13 @@ class MessageToolCall(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None  # null only for an assistant message
+    content: str | list[TextPart] | None = None  # null only for an assistant message
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this answers
 
     @model_validator(mode="after")
-    def _fits_role(self) -> "ChatMessage":
+    def _fits_role(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content (only an assistant message may have null)")
         if self.tool_calls is not None and self.role != "assistant":
@@ -448,7 +448,7 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
     echo: bool = False  # vLLM: the answer starts with the last message when it has the answer's role
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     #: "none", "auto" (the default with tools), "required", or {"type": "function", "function": {"name": ...}}
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Any = None
     function_call: Any = None
@@ -530,7 +530,7 @@ class TokenizeRequest(ChatFields):
     return_token_strs: bool | None = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:

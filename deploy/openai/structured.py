@@ -3,7 +3,7 @@
 ``StructuredOutputsParams`` spec (a dict of its fields), remembered with the request
 field it came from so that every error about it names that field.
 
-The worker enforces the constraint (``worker/runner/structured_output.py``); the
+The worker enforces the constraint (``worker/structured_output.py``); the
 engine compiles it when the request is made (``ValueError`` "structured_outputs.<field>
 is invalid: ..."). Here: which field constrains the output (at most one of them), JSON
 schemas checked against their meta-schema (a 400 naming the field before anything is

@@ -124,7 +124,7 @@ class ToolPlan:
     exclude_from_prompt: bool = False
 
     @classmethod
-    def of(cls, body: Any, options: ApiOptions) -> "ToolPlan":
+    def of(cls, body: Any, options: ApiOptions) -> ToolPlan:
         """The plan of ``body`` (a ChatCompletionRequest); a ``RequestError`` naming
         the field for anything the server cannot do with it."""
         tools, choice = body.tools, body.tool_choice

@@ -24,8 +24,8 @@ from sampler.logits_processor.interface import (
     BatchUpdate,
     LogitsProcessor,
     LogitsProcessorError,
-    MovedRequest,
     MoveDirectionality,
+    MovedRequest,
     RemovedRequest,
 )
 from sampler.logits_processor.loading import (

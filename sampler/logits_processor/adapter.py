@@ -32,20 +32,20 @@ class AdapterLogitsProcessor(LogitsProcessor):
     Rows are handled one by one, so keep adapters for rare, per-request logic.
     """
 
-    def __init__(self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool):
+    def __init__(self, config: SamplerConfig, device: torch.device, is_pin_memory: bool):
         self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     @abstractmethod
     def new_req_logits_processor(
-        self, params: "SamplingParams"
+        self, params: SamplingParams
     ) -> RequestLogitsProcessor | None:
         raise NotImplementedError
 
     def _new_state(
         self,
-        params: "SamplingParams",
-        prompt_ids: "list[int] | None",
-        output_ids: "list[int]",
+        params: SamplingParams,
+        prompt_ids: list[int] | None,
+        output_ids: list[int],
     ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         req_lp = self.new_req_logits_processor(params)
         if req_lp is None:

@@ -24,7 +24,7 @@ T = TypeVar("T")
 def process_dict_updates(
     req_entries: dict[int, T],
     batch_update: BatchUpdate | None,
-    new_state: Callable[["SamplingParams", "list[int] | None", "list[int]"], T | None],
+    new_state: Callable[[SamplingParams, list[int] | None, list[int]], T | None],
 ) -> bool:
     """Applies a BatchUpdate to sparse per-row state ``{row: entry}``.
 
@@ -75,7 +75,7 @@ class MinPLogitsProcessor(LogitsProcessor):
     #: Its masks depend on the params only (not on the tokens generated so far).
     reads_output_token_ids = False
 
-    def __init__(self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool):
+    def __init__(self, config: SamplerConfig, device: torch.device, is_pin_memory: bool):
         max_rows = config.max_num_seqs
         self.min_p_count = 0
         self.min_p_cpu_tensor = torch.zeros(max_rows, dtype=torch.float32)
@@ -145,7 +145,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
 
     reads_output_token_ids = False
 
-    def __init__(self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool):
+    def __init__(self, config: SamplerConfig, device: torch.device, is_pin_memory: bool):
         self.device = torch.device(device)
         self.pin_memory = is_pin_memory
         self.biases: dict[int, dict[int, float]] = {}
@@ -189,7 +189,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
     per-step input; rows that reached their minimum are dropped in ``update_state``.
     """
 
-    def __init__(self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool):
+    def __init__(self, config: SamplerConfig, device: torch.device, is_pin_memory: bool):
         self.device = torch.device(device)
         self.pin_memory = is_pin_memory
         self.min_toks: dict[int, tuple[int, Sequence[int], list[int]]] = {}
@@ -204,7 +204,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
 
     @staticmethod
     def add_request(
-        params: "SamplingParams", _prompt_ids: "list[int] | None", output_ids: "list[int]"
+        params: SamplingParams, _prompt_ids: list[int] | None, output_ids: list[int]
     ) -> tuple[int, Sequence[int], list[int]] | None:
         stop_ids = sorted(params.all_stop_token_ids)
         if params.min_tokens and stop_ids and len(output_ids) < params.min_tokens:

@@ -66,7 +66,7 @@ class LogitsProcessor(ABC):
     reads_draft_tokens: bool = False
 
     @classmethod
-    def validate_params(cls, sampling_params: "SamplingParams") -> None:
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
         """Raise ``ValueError`` if a request's params are unusable by this processor.
 
         Called at submission, before the request is scheduled.
@@ -75,7 +75,7 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def __init__(
-        self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool
+        self, config: SamplerConfig, device: torch.device, is_pin_memory: bool
     ) -> None:
         raise NotImplementedError
 

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from _load_generator import RequestRecord, percentile
+from prometheus_client.parser import text_string_to_metric_families
 
 #: (name, from, to): a segment of the first token's path, between two stamps
 SEGMENTS = (

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-
 from _results import Row, emit  # noqa: E402
+
 from worker.cpu.shm_allreduce import ShmAllReduce  # noqa: E402
 
 WORLD = 2

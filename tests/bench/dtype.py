@@ -33,10 +33,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
 from _results import Row, cpu_model, emit  # noqa: E402
 from e2e import build_workload, corpus_tokens  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
 from cluster import LLM  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
 from worker.cpu.packed_linear import packable_dtypes  # noqa: E402

@@ -55,9 +55,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import ray  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from _results import Row, cpu_model, emit  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from _results import Row, cpu_model, emit  # noqa: E402
 from cluster.engine import StepStats  # noqa: E402
 from cluster.llm import LLM  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
@@ -426,9 +426,9 @@ def main() -> None:
         static = cb = None
         if model is not None:
             print(f"running {name}: static generate ...", flush=True)
-            static = guarded(lambda: run_static(model, pad, reqs))
+            static = guarded(lambda: run_static(model, pad, reqs))  # noqa: B023 (called here)
             print(f"running {name}: {cb_label} ...", flush=True)
-            cb = guarded(lambda: run_cb(model, reqs, args.cb_api, args.max_num_seqs, budget))
+            cb = guarded(lambda: run_cb(model, reqs, args.cb_api, args.max_num_seqs, budget))  # noqa: B023
             for label, p in (("static generate", static), (cb_label, cb)):
                 if p.error:
                     notes.append(f"{name}: {label} could not run: {p.error}")

@@ -43,9 +43,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # tests/
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the checkout
 
-import torch  # noqa: E402
-
 import e2e  # noqa: E402
+import torch  # noqa: E402
 from _results import Row, emit  # noqa: E402
 
 TARGET_CB, TARGET_STATIC, TARGET_FLOOR = 2.0, 5.0, 3.0
@@ -123,7 +122,7 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
     and of the worker's own part of it; ``profile``: the torch profiler over five more
     decode steps, its summary printed (``where_the_time_goes``); ``plan_on_host``: CUDA
     graphs' plans built on the host (False: on the GPU, as before 2026-11-28)."""
-    from worker.runner.cuda_graphs import DecodeGraphs
+    from worker.gpu.cuda_graphs import DecodeGraphs
 
     DecodeGraphs.plan_on_host = plan_on_host
     try:
@@ -135,8 +134,9 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
 def _decode_step(path: str, rows: int, context: int, steps: int, device: str, profile: bool,
                  **config: Any) -> tuple[float, float]:
     from helpers import make_worker
-    from sampler.params import SamplingParams
     from worker_driver import MiniDriver
+
+    from sampler.params import SamplingParams
 
     w = make_worker(path, device=device, dtype="bfloat16", max_num_seqs=rows, max_model_len=context + steps + 8,
                     **config)
@@ -167,7 +167,7 @@ def _decode_step(path: str, rows: int, context: int, steps: int, device: str, pr
             d.step_fn = w._step  # the worker's step on this thread, where the profilers look
             where_the_time_goes(d.step, 5)
             d.step_fn = timed_step
-    del w
+    w = None  # frees the worker (timed_step keeps this cell)
     if device == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times[3:]), statistics.median(own[3:])
@@ -239,7 +239,7 @@ def main() -> None:
             results[label] = {}
             for wname, reqs in workloads.items():
                 with PeakMemory() as mem:
-                    res = e2e.guarded(lambda: run(reqs))
+                    res = e2e.guarded(lambda: run(reqs))  # noqa: B023 (called here)
                 results[label][wname] = (res, mem.gib)
                 if res.error:
                     print(f"  {label} {wname}: could not run: {res.error}")

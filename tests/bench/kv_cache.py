@@ -64,7 +64,7 @@ class PeakRunning:
             self.peak = max(self.peak, self.llm.engine.scheduler_stats().num_running)
             time.sleep(self.every_s)
 
-    def __enter__(self) -> "PeakRunning":
+    def __enter__(self) -> PeakRunning:
         self._thread.start()
         return self
 

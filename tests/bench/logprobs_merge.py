@@ -18,9 +18,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from sampler.logprobs import FlatLogprobs, Logprob  # noqa: E402
 from _results import Row, emit  # noqa: E402
 from _timing import time_side_by_side  # noqa: E402
+
+from sampler.logprobs import FlatLogprobs, Logprob  # noqa: E402
 
 TOP = 5
 

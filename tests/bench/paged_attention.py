@@ -33,7 +33,8 @@ from _results import Row, emit  # noqa: E402
 from _timing import time_side_by_side  # noqa: E402
 
 from worker.cpu.kernels import load  # noqa: E402
-from worker.cpu.paged_attention import PREFILL_QUERIES as KERNEL_PREFILL_QUERIES, CpuPagedKernel, KernelRows  # noqa: E402
+from worker.cpu.paged_attention import PREFILL_QUERIES as KERNEL_PREFILL_QUERIES  # noqa: E402
+from worker.cpu.paged_attention import CpuPagedKernel, KernelRows
 from worker.runner.attention import _batched_by_gathering  # noqa: E402
 from worker.runner.attention_plan import AttentionPlan  # noqa: E402
 from worker.runner.kv_pool import PagedKVCache  # noqa: E402

@@ -30,9 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from _results import Row, emit  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _results import Row, emit  # noqa: E402
 from worker.cpu import kernels  # noqa: E402
 from worker.cpu.packed_linear import MklPackedWeight, PackedLinear, PanelLinear, mkl_packed_linear_available  # noqa: E402
 

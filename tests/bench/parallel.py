@@ -52,10 +52,10 @@ sys.path.insert(0, HERE)  # tests/bench: e2e's workload
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
 from _results import cpu_model  # noqa: E402
 from e2e import Req, build_workload, corpus_tokens, percentiles, run_ours  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
 from cluster.llm import LLM  # noqa: E402
 from worker.runner.kv_pool import PagedKVCache  # noqa: E402
 from worker.runner.model_loader import default_model_path  # noqa: E402

@@ -35,12 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
 from _results import Row, emit  # noqa: E402
 from helpers import free_port  # noqa: E402
-from prefix_workload import (Run, chat_requests, engine_args, measure, multi_engine_app, send_all,  # noqa: E402
-                             system_prompts)
+from prefix_workload import Run, chat_requests, engine_args, measure, multi_engine_app, send_all, system_prompts  # noqa: E402
+from ray import serve  # noqa: E402
 
 SETUPS = {"prefix": (2, "prefix_aware"), "pow2": (2, "power_of_two"), "single": (1, "prefix_aware")}
 TARGET = 0.9
@@ -91,7 +89,7 @@ def main() -> None:
             sent[name] += len(warm := chat_requests(-1 - i, system_prompts(-1 - i, 2, 200), 2))
             send_all(url, name, warm, args.concurrency)
         for run in range(runs):
-            for i, name in enumerate(names[run % 3:] + names[:run % 3]):  # each goes first in turn
+            for name in names[run % 3:] + names[:run % 3]:  # each goes first in turn
                 seed = 1000 * run + names.index(name)  # fresh prompts for every setup of every run
                 bodies = chat_requests(seed, system_prompts(seed, 4, args.system_chars), per_prompt)
                 r = measure(url, name, bodies, args.concurrency, sent[name])

@@ -47,12 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from _results import Row, emit  # noqa: E402
+from e2e import corpus_tokens  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from _results import Row, emit  # noqa: E402
 from cluster.engine import StepStats  # noqa: E402
 from cluster.llm import LLM  # noqa: E402
-from e2e import corpus_tokens  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
 from worker.runner.model_loader import default_model_path  # noqa: E402
 

@@ -112,9 +112,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -127,17 +127,25 @@ sys.path.insert(0, str(HERE))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
 from _load_generator import LoadRequest, LoadResult, percentile, run_load, served_model, wait_ready  # noqa: E402
 from _process_cpu import CpuSnapshot  # noqa: E402
 from _results import Row, cpu_model, emit  # noqa: E402
 from _timeline import (  # noqa: E402
-    engine_view, ours_steps, print_breakdown, print_steps, print_steps_side_by_side, read_lines, scrape, segments,
-    step_bins, vllm_steps,
+    engine_view,
+    ours_steps,
+    print_breakdown,
+    print_steps,
+    print_steps_side_by_side,
+    read_lines,
+    scrape,
+    segments,
+    step_bins,
+    vllm_steps,
 )
-from helpers import free_port  # noqa: E402
 from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, run_ours  # noqa: E402
+from helpers import free_port  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
 from worker.runner.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN = 64, 512, 2048

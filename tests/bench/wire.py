@@ -1,4 +1,4 @@
-"""Driver <-> worker wire format: msgspec (worker.transport.protocol.Codec) against pickle.
+"""Driver <-> worker wire format: msgspec (worker.protocol.Codec) against pickle.
 
 Run: ``python tests/bench/wire.py [--quick]``. Prints, for (a) a realistic step message
 and (b) a realistic step reply, the median time of encode+decode (and of each half)
@@ -36,7 +36,7 @@ from _results import Row, emit  # noqa: E402
 from _timing import time_side_by_side  # noqa: E402
 
 from sampler.params import SamplingParams  # noqa: E402
-from worker.transport.protocol import (  # noqa: E402
+from worker.protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,
@@ -44,8 +44,8 @@ from worker.transport.protocol import (  # noqa: E402
     Int32Array,
     MovedRows,
     StepReply,
-    StepTimings,
     StepRequest,
+    StepTimings,
 )
 
 BATCH = 64

@@ -29,20 +29,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import msgspec  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
+from _results import Row, emit  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from _results import Row, emit  # noqa: E402
 from sampler.params import SamplingParams  # noqa: E402
-from worker.transport.actor import create_worker, decode_info  # noqa: E402
-from worker.runner.model_loader import default_model_path  # noqa: E402
-from worker.transport.protocol import (  # noqa: E402
+from worker.config import WorkerConfig  # noqa: E402
+from worker.protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     AddedRequest,
     Codec,
     Int32Array,
     StepRequest,
 )
-from worker.config import WorkerConfig  # noqa: E402
+from worker.runner.model_loader import default_model_path  # noqa: E402
+from worker.transport.actor import create_worker, decode_info  # noqa: E402
 
 N = 32
 TARGETS = {1: 1.0, 32: 1.5}

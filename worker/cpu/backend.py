@@ -22,7 +22,7 @@ from worker.runner.backend import Backend
 
 if TYPE_CHECKING:
     from worker.config import WorkerConfig
-    from worker.runner.parallel_group import ParallelGroup
+    from worker.parallel.group import ParallelGroup
 
 
 def prepare_cpu_backend(model: nn.Module, config: WorkerConfig, group: ParallelGroup | None = None) -> Backend:

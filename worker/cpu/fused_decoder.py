@@ -45,10 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.cpu.packed_linear import LinearSlice, PackedLinear, PanelLinear, merge_linears, merged_parts
+from worker.runner.attention import attend_cached
 
 if TYPE_CHECKING:
+    from worker.parallel.group import ParallelGroup
     from worker.runner.attention_plan import AttentionPlan
-    from worker.runner.parallel_group import ParallelGroup
 
 logger = logging.getLogger("raydecode")
 
@@ -112,7 +113,7 @@ class FusedDecoder:
     """Runs ``model``'s decoder stack and LM head for one step's packed tokens."""
 
     def __init__(self, model: nn.Module, ops: Any, group: ParallelGroup | None = None) -> None:
-        """``group``: the model is one rank's shard (``worker/runner/sharded_loader.py``):
+        """``group``: the model is one rank's shard (``worker/parallel/sharded_loader.py``):
         the row-parallel projections' partial sums are all-reduced, the LM head's
         vocabulary slices gathered, and a stage that is not the last returns its hidden
         states instead of logits."""
@@ -185,7 +186,7 @@ class FusedDecoder:
                 x = self.rms_norm(out, layer.input_norm, layer.input_eps, residual=h)
             q, k, v = projections(x, layer.qkv, layer.qkv_sizes)
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
-            a = plan.attend(q.view(tokens, -1, head_dim), index, layer.scaling, layer.sliding_window, None)
+            a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window, None)
             attn_out = self.reduce(linear(a.reshape(tokens, -1), layer.o_proj))
             x = self.rms_norm(attn_out, layer.post_norm, layer.post_eps, residual=h)
             out = self.reduce(self.mlp(x, layer))

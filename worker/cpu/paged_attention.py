@@ -41,7 +41,7 @@ class KernelRows:
 
     @classmethod
     def build(cls, rows: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, kv_lens: np.ndarray,
-              block_table: np.ndarray, block_size: int, queries: int, device: torch.device) -> "KernelRows":
+              block_table: np.ndarray, block_size: int, queries: int, device: torch.device) -> KernelRows:
         """Sequence row ``rows[i]`` runs ``num_tokens[i]`` packed tokens from
         ``starts[i]`` on and has ``kv_lens[i]`` keys after them."""
         runs = -(-num_tokens // queries)

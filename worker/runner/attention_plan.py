@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from worker.runner.attention import attend_cached
 from worker.runner.kv_pool import PagedKVCache
 
 #: Queries up to this many tokens per row join the batched attention call.
@@ -24,7 +23,7 @@ BATCHED_QUERY_MAX = 16
 class PagedKernel(Protocol):
     """An attention path that reads the pool through the rows' block tables in place:
     the CPU kernel (``worker.cpu.paged_attention.CpuPagedKernel``) or FlexAttention
-    (``worker.runner.flex_attention.FlexPagedAttention``)."""
+    (``worker.gpu.flex_attention.FlexPagedAttention``)."""
 
     def prepare(self, plan: AttentionPlan, block_table: np.ndarray, rows: np.ndarray, num_computed: np.ndarray,
                 num_tokens: np.ndarray, static: bool = False) -> Any:
@@ -106,7 +105,7 @@ class AttentionPlan:
         kernel: PagedKernel | None = None,
         static: bool = False,
         on_host: bool = False,
-    ) -> "AttentionPlan":
+    ) -> AttentionPlan:
         """``rows[i]`` runs ``num_tokens[i]`` tokens after ``num_computed[i]`` cached
         ones, through its blocks ``block_table[rows[i]]``; the packed sequence holds row
         ``rows[0]``'s tokens first, and so on. ``kernel``: the paged kernel attention
@@ -165,12 +164,6 @@ class AttentionPlan:
         if kernel is not None:
             plan.kernel_state = kernel.prepare(plan, block_table, rows, num_computed, num_tokens, static=static)
         return plan
-
-    def attend(self, q_all: torch.Tensor, layer: int, scaling: float | None, window: int | None,
-               softcap: float | None) -> torch.Tensor:
-        """Attention of the step's packed queries ``[T, heads, dim]`` over layer
-        ``layer``'s pool (the step's keys and values already written)."""
-        return attend_cached(q_all, self, layer, scaling, window, softcap)
 
 
 def concat_ranges(first: np.ndarray, width: np.ndarray) -> np.ndarray:

@@ -1,25 +1,33 @@
-"""Backend: what runs a step's forward on the runner's device.
+"""Backend: the contract between the runner and what runs a step's forward on a device.
 
-The runner chooses one after loading the model (``choose_backend``): on CPU the
-compiled kernels of ``worker/cpu/`` where they build and apply (the paged-attention
-kernel, packed linears, the fused decoder); elsewhere, or with them off, the
-device-agnostic torch paths (transformers' forward, attention by gathering blocks +
-SDPA). A backend changes how fast a step runs, never what it computes beyond float
-rounding: the torch paths are the reference every backend is tested against.
+The runner itself only knows the device-agnostic torch paths (transformers' forward,
+attention by gathering blocks + SDPA): ``reference_backend``, what every other
+backend is tested against. A faster backend is chosen above the runner, where a worker
+is put together (``worker/build.py``), and handed to it as a ``ChooseBackend``: on CPU
+the compiled kernels of ``worker/cpu/``; with FlexAttention (on by default off the
+CPU) the paths of ``worker/gpu/``. A backend changes how fast a step runs, never what
+it computes beyond float rounding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from worker.runner.attention_plan import AttentionPlan, PagedKernel
-    from worker.runner.parallel_group import ParallelGroup
     from worker.config import WorkerConfig
+    from worker.runner.attention_plan import AttentionPlan, PagedKernel
+    from worker.runner.kv_pool import PagedKVCache
+
+#: the runner's forward: one step's token ids ``[T]`` (at the plan's positions), the
+#: plan, and the packed positions whose logits are wanted -> those logits (None on a
+#: rank of a model-parallel group that does not hold them)
+Forward = Callable[["torch.Tensor", "AttentionPlan", "torch.Tensor"], "torch.Tensor | None"]
 
 
 class Decoder(Protocol):
@@ -30,6 +38,17 @@ class Decoder(Protocol):
                 logits_rows: torch.Tensor) -> torch.Tensor: ...
 
 
+class StepGraphs(Protocol):
+    """Recorded forwards that replay whole decode steps (CUDA graphs)."""
+
+    def applies(self, num_rows: int, decode_only: bool) -> bool:
+        """Whether a step of ``num_rows`` rows (``decode_only``: every row decodes one
+        token, nothing else is asked) replays a recording."""
+
+    def run(self, token_ids: np.ndarray, computed: np.ndarray, block_table: np.ndarray) -> torch.Tensor:
+        """The step's logits, one row per step row."""
+
+
 @dataclass
 class Backend:
     #: the paged kernel the attention plans carry; None: gather + SDPA
@@ -38,25 +57,19 @@ class Backend:
     decoder: Decoder | None = None
     #: linear layers swapped for packed ones
     num_packed_linear: int = 0
+    #: KV pool blocks set aside for the backend (the graphs' padding rows write there)
+    scratch_kv_blocks: int = 0
+    #: builds the backend's step graphs from the runner's forward and KV pool, once
+    #: both exist; None: every step runs eagerly
+    graphs: Callable[[Forward, PagedKVCache], StepGraphs] | None = None
 
 
-def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig,
-                   group: ParallelGroup | None = None) -> Backend:
-    """Prepares ``model`` for its device (this may repack its weights) and returns how
-    its steps run: on CPU the CPU backend; elsewhere the transformers forward with
-    attention through FlexAttention (``flex_attention``, on by default off the CPU) or
-    the torch path. ``group``: the model is one rank's shard (the fused decoder reduces
-    and gathers through it)."""
-    backend = Backend()
-    if device.type == "cpu":
-        from worker.cpu.backend import prepare_cpu_backend
+#: how a runner gets its backend once its model is loaded: (model, device, config, the
+#: model-parallel group when the model is one rank's shard) -> Backend. It may repack
+#: the model's weights.
+ChooseBackend = Callable[[nn.Module, torch.device, "WorkerConfig", Any], Backend]
 
-        backend = prepare_cpu_backend(model, config, group)
-    flex = config.flex_attention if config.flex_attention is not None else device.type != "cpu"
-    if flex:
-        from worker.runner.flex_attention import FlexPagedAttention
 
-        hf = model.config
-        heads = hf.num_attention_heads
-        backend.attention_kernel = FlexPagedAttention(heads, getattr(hf, "num_key_value_heads", None) or heads)
-    return backend
+def reference_backend(model: nn.Module, device: torch.device, config: WorkerConfig, group: Any = None) -> Backend:
+    """The device-agnostic torch paths everywhere."""
+    return Backend()

@@ -28,8 +28,8 @@ from sampler.logits_processor.state import LogitsProcessors
 from sampler.metadata import SamplingMetadata, seeded_generator
 from sampler.params import SamplingParams, SamplingType
 from sampler.thinking_budget import ThinkingBudgetStateHolder
+from worker.protocol import ProtocolError, StepRequest
 from worker.runner.kv_pool import PagedKVCache
-from worker.transport.protocol import ProtocolError, StepRequest
 
 NO_LOGPROBS = -2  # per-row logprob arrays: the request did not ask
 

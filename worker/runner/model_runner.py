@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import psutil
@@ -21,25 +23,8 @@ from sampler.logits_processor.loading import build_logitsprocs
 from sampler.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from sampler.sampler import Sampler, gather_logprobs
 from sampler.thinking_budget import ReasoningConfig, ThinkingBudgetStateHolder
-from worker.runner.attention import (
-    ATTENTION_NAME,
-    UnsupportedAttention,
-    check_attention_features,
-    register_paged_attention,
-)
-from worker.runner.attention_plan import AttentionPlan, concat_ranges
-from worker.runner.backend import choose_backend
-from worker.runner.compiled_norms import CompiledNorms
-from worker.runner.cuda_graphs import DecodeGraphs
-from worker.runner.input_batch import NO_LOGPROBS, InputBatch
-from worker.runner.kv_pool import PagedKVCache
-from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
-from worker.runner.ngram_proposer import NgramProposer
-from worker.runner.parallel_group import ParallelGroup, install_tensor_parallel_hooks
-from worker.runner.parallel_layout import RankLayout
-from worker.runner.sharded_loader import load_model_shard
 from worker.config import WorkerConfig
-from worker.transport.protocol import (
+from worker.protocol import (
     PROTOCOL_VERSION,
     Float32Array,
     Int32Array,
@@ -49,7 +34,19 @@ from worker.transport.protocol import (
     StepTimings,
     WorkerInfo,
 )
-from worker.runner.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
+from worker.runner.attention import (
+    ATTENTION_NAME,
+    UnsupportedAttention,
+    check_attention_features,
+    register_paged_attention,
+)
+from worker.runner.attention_plan import AttentionPlan, concat_ranges
+from worker.runner.backend import ChooseBackend, StepGraphs, reference_backend
+from worker.runner.input_batch import NO_LOGPROBS, InputBatch
+from worker.runner.kv_pool import PagedKVCache
+from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
+from worker.runner.ngram_proposer import NgramProposer
+from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
 
 logger = logging.getLogger("raydecode")
 
@@ -57,23 +54,40 @@ UNSATISFIABLE = "no token is allowed: the request's constraints (allowed_token_i
 NONFINITE = "the logits became NaN or infinite under this request's parameters (or the model produced them)"
 
 
+@dataclass
+class StepWork:
+    """One step after its forward: which rows ran, what they ran, and the logits."""
+
+    rows: np.ndarray  # the rows scheduled this step
+    computed: np.ndarray  # their cached tokens before it
+    count: np.ndarray  # the tokens each ran (drafts included)
+    num_drafts: np.ndarray  # the drafts each ran
+    s_idx: np.ndarray  # indices into ``rows`` of the rows that sample
+    s_rows: np.ndarray  # the rows that sample
+    s_width: np.ndarray  # logits positions per sampling row (drafts + 1)
+    prompt_chunks: list[tuple[int, int, int, int]]  # prompt-logprob chunks (``_prompt_logprob_chunks``)
+    logits: torch.Tensor | None  # None on a rank that does not hold them
+    t1: float  # the forward began
+    t2: float  # the forward ended
+
+
 class ModelRunner:
-    def __init__(self, config: WorkerConfig, group_rank: GroupRank | None = None, store: object | None = None) -> None:
-        """``group_rank``: this runner is one rank of a model-parallel group
-        (``config.group_size`` > 1): it loads its shard and joins the group's
-        collectives (rank 0 through the rendezvous ``store`` it opened); only the
-        leader samples."""
+    #: the model-parallel group of a rank's runner (``worker/parallel/sharded_runner.py``)
+    group: Any = None
+
+    def __init__(self, config: WorkerConfig, choose_backend: ChooseBackend = reference_backend) -> None:
+        """``choose_backend``: how the forward runs on the model's device, chosen once the
+        model is loaded (default: the device-agnostic torch paths; ``worker.build``
+        chooses the device's backend)."""
         self.config = config
         torch.manual_seed(config.seed)
-        self.loaded, self.layout = self._load_model(config, group_rank)
+        self.loaded = self._load_model(config)
         self.model, self.device = self.loaded.model, self.loaded.device
         self.max_model_len = self.loaded.max_model_len
-        self.group = self._join_group(group_rank, store)
-        #: samples and replies (False: a follower rank, which takes the leader's tokens)
-        self.samples = self.layout is None or self.layout.is_leader
+        self._join_group()
         self.backend = choose_backend(self.model, self.device, config, self.group)
         self.kv = self._allocate_kv_pool(config)
-        self.graphs = self._decode_graphs(config)
+        self.graphs: StepGraphs | None = self.backend.graphs(self._forward, self.kv) if self.backend.graphs else None
         self.sampler_config = config.sampler_config(self.loaded.vocab_size)
         self.reasoning = self._reasoning_config(config)
         # Structured outputs: grammars compile on first use; the cache outlives resets.
@@ -85,47 +99,34 @@ class ModelRunner:
             NgramProposer(config.num_spec_tokens, config.ngram_min, config.ngram_max) if config.num_spec_tokens else None
         )
         self.timings = StepTimings()
-        self._token_sends: list[object] = []  # the leader's, of its last step
-        #: another rank's receives of the leader's tokens: (step id, handle, table, requests), oldest first
-        self._token_receives: list[tuple[int, object, torch.Tensor, list]] = []
         self.info = self._worker_info()
         self._probe_attention()
-        if self.group is not None and self.backend.decoder is None:
-            install_tensor_parallel_hooks(self.model, self.group)  # after the probe: it runs alone
 
     # -- the steps of loading ---------------------------------------------------------
 
-    @staticmethod
-    def _load_model(config: WorkerConfig, group_rank: GroupRank | None) -> tuple[LoadedModel, RankLayout | None]:
-        """The model (or this rank's shard of it) through transformers, its attention
-        the paged one (refused at once, naming the feature, when it needs one the paged
-        path does not implement)."""
+    def _load_model(self, config: WorkerConfig) -> LoadedModel:
+        """The model through transformers, its attention the paged one (refused at once,
+        naming the feature, when it needs one the paged path does not implement)."""
+        if config.group_size > 1:
+            raise ModelLoadError("a model-parallel worker needs its rank in the group (GroupRank)")
         register_paged_attention()
-        layout = None
-        options = dict(device=config.device, dtype=config.dtype, attn_implementation=ATTENTION_NAME,
-                       max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
-        if group_rank is None:
-            if config.group_size > 1:
-                raise ModelLoadError("a model-parallel worker needs its rank in the group (GroupRank)")
-            loaded = load_model(config.model, **options)
-        else:
-            loaded, layout = load_model_shard(
-                config.model, tensor_parallel_size=config.tensor_parallel_size,
-                pipeline_parallel_size=config.pipeline_parallel_size, rank=group_rank.rank,
-                pipeline_layer_partition=config.pipeline_layer_partition, **options,
-            )
+        return self._checked(load_model(config.model, **self._load_options(config)))
+
+    @staticmethod
+    def _load_options(config: WorkerConfig) -> dict[str, Any]:
+        return dict(device=config.device, dtype=config.dtype, attn_implementation=ATTENTION_NAME,
+                    max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
+
+    @staticmethod
+    def _checked(loaded: LoadedModel) -> LoadedModel:
         try:
             check_attention_features(loaded.model.config)
         except UnsupportedAttention as exc:
             raise ModelLoadError(f"{loaded.name}: {exc}") from None
-        return loaded, layout
+        return loaded
 
-    def _join_group(self, group_rank: GroupRank | None, store: object | None) -> ParallelGroup | None:
-        """The group's collectives (after the load: a rank that fails to load leaves
-        the others waiting here at most ``timeout_s``)."""
-        if group_rank is None:
-            return None
-        return ParallelGroup(group_rank, self.layout, self.device, store)
+    def _join_group(self) -> None:
+        """A rank's runner joins its group's collectives here, after the load."""
 
     def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
         """The KV pool, sized from what memory is left after the model (and logged)."""
@@ -142,28 +143,7 @@ class ModelRunner:
             num_blocks * per_block / 2**30,
         )
         return PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, self.loaded.dtype, self.device,
-                            prefault=config.kv_cache_prefault, scratch_blocks=1 if self._wants_graphs(config) else 0)
-
-    def _wants_graphs(self, config: WorkerConfig) -> bool:
-        from worker.runner.flex_attention import FlexPagedAttention
-
-        wanted = config.cuda_graphs if config.cuda_graphs is not None else self.device.type == "cuda"
-        return (wanted and self.backend.decoder is None and self.group is None
-                and isinstance(self.backend.attention_kernel, FlexPagedAttention))
-
-    def _decode_graphs(self, config: WorkerConfig) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps (``cuda_graphs``, on by default on CUDA; workers
-        with FlexAttention; off CUDA, asked for, the same static inputs are refilled and
-        run eagerly, which tests them), their forwards with the RMSNorms compiled
-        (``compiled_norms``)."""
-        if not self._wants_graphs(config):
-            if config.cuda_graphs:
-                logger.warning("cuda_graphs needs FlexAttention (flex_attention not False): decode steps run eagerly")
-            return None
-
-        recorded = CompiledNorms(self.model).wrap(self._forward) if config.compiled_norms else None
-        return DecodeGraphs(self._forward, self.kv, self.backend.attention_kernel, config.max_num_seqs, self.device,
-                            recorded)
+                            prefault=config.kv_cache_prefault, scratch_blocks=self.backend.scratch_kv_blocks)
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
         """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
@@ -226,8 +206,7 @@ class ModelRunner:
         ``started`` (a ``perf_counter`` time) is when the step's message arrived: the
         reply's ``timings.prepare`` counts from there."""
         t0 = time.perf_counter() if started is None else started
-        if self._token_receives:
-            self._collect_tokens(step.needs_tokens_of)
+        self._before_step(step)
         try:
             self.batch.apply(step)
             return self._run(step.step_id, step.num_scheduled_tokens.numpy().astype(np.int64), t0)
@@ -241,11 +220,28 @@ class ModelRunner:
                 num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)),
             )
 
+    def _before_step(self, step: StepRequest) -> None:
+        """Before a step's batch changes apply (a rank's runner takes the leader's
+        tokens of earlier steps here)."""
+
     def _run(self, step_id: int, scheduled: np.ndarray, t0: float) -> StepReply:
-        batch, n = self.batch, self.batch.batch_size
+        work = self._forward_step(scheduled)
+        if work is None:
+            return self._empty_reply(step_id)
+        return self._sample_step(step_id, work, t0)
+
+    def _empty_reply(self, step_id: int, timings: StepTimings | None = None) -> StepReply:
+        n = self.batch.batch_size
+        return StepReply(version=PROTOCOL_VERSION, step_id=step_id, num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)),
+                         timings=timings)
+
+    def _forward_step(self, scheduled: np.ndarray) -> StepWork | None:
+        """The step's forward over every scheduled token (drafts proposed first); None
+        when no row runs."""
+        batch = self.batch
         rows = np.flatnonzero(scheduled)
         if len(rows) == 0:
-            return StepReply(version=PROTOCOL_VERSION, step_id=step_id, num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)))
+            return None
         computed = batch.num_computed[rows].copy()
         known = batch.num_tokens[rows]
         count = scheduled[rows].copy()
@@ -274,35 +270,25 @@ class ModelRunner:
             t1 = time.perf_counter()
             input_ids = torch.from_numpy(batch.token_ids[plan.host_token_rows, plan.host_token_positions]).to(self.device)
             logits = self._forward(input_ids, plan, keep_t)
-        t2 = time.perf_counter()
+        return StepWork(rows, computed, count, num_drafts, s_idx, s_rows, s_width, prompt_chunks, logits,
+                        t1, time.perf_counter())
 
-        num_sample_logits = int(s_width.sum())
-        if not self.samples:  # a rank that does not sample: the leader's tokens follow
-            if len(s_rows):
-                self._expect_tokens(step_id, s_rows, s_width)
-            batch.num_computed[rows] = computed + count - num_drafts
-            t3 = time.perf_counter()
-            self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
-                                       collective=self.group.take_seconds())
-            return StepReply(version=PROTOCOL_VERSION, step_id=step_id,
-                             num_sampled=Int32Array.of(np.zeros(n, dtype=np.int32)), timings=self.timings)
-        prompt_reply = self._prompt_logprobs(prompt_chunks, logits[num_sample_logits:])
-        try:
-            emitted, lp, failed = self._sample(logits[:num_sample_logits], s_rows, num_drafts[s_idx], s_width)
-        except LogitsProcessorError:
-            if self.group is not None and len(s_rows):
-                self._send_tokens(None, set(), s_rows, s_width)
-            raise
+    def _sample_step(self, step_id: int, work: StepWork, t0: float) -> StepReply:
+        """Samples the step's rows from its logits, appends what they emitted, and the
+        reply."""
+        batch, n = self.batch, self.batch.batch_size
+        rows, s_rows, num_drafts = work.rows, work.s_rows, work.num_drafts
+        num_sample_logits = int(work.s_width.sum())
+        prompt_reply = self._prompt_logprobs(work.prompt_chunks, work.logits[num_sample_logits:])
+        emitted, lp, failed = self._sample(work.logits[:num_sample_logits], s_rows, num_drafts[work.s_idx], work.s_width)
         failed_rows = {f.row for f in failed}
-        if self.group is not None and len(s_rows):
-            self._send_tokens(emitted, failed_rows, s_rows, s_width)
         t3 = time.perf_counter()
         # Bookkeeping: cache lengths (past rejected drafts: they are simply overwritten
         # later) and the rows' tokens.
-        batch.num_computed[rows] = computed + count - num_drafts
+        batch.num_computed[rows] = work.computed + work.count - num_drafts
         num_sampled = np.zeros(n, dtype=np.int32)
         accepted = np.zeros(n, dtype=np.int32)
-        for row, tokens, nd in zip(s_rows.tolist(), emitted, num_drafts[s_idx].tolist()):
+        for row, tokens, nd in zip(s_rows.tolist(), emitted, num_drafts[work.s_idx].tolist()):
             if row in failed_rows:
                 continue
             batch.append_tokens(row, tokens)
@@ -331,10 +317,14 @@ class ModelRunner:
             )
         reply.update(prompt_reply)
         self.timings = StepTimings(
-            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, bookkeeping=time.perf_counter() - t3,
-            collective=self.group.take_seconds() if self.group is not None else 0.0,
+            prepare=work.t1 - t0, forward=work.t2 - work.t1, sample=t3 - work.t2,
+            bookkeeping=time.perf_counter() - t3, collective=self._collective_seconds(),
         )
         return StepReply(**reply, timings=self.timings)
+
+    def _collective_seconds(self) -> float:
+        """Seconds this step spent in a model-parallel group's collectives."""
+        return 0.0
 
     # -- the parts --------------------------------------------------------------------
 
@@ -342,81 +332,12 @@ class ModelRunner:
         """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
         tokens ``input_ids`` (at the plan's positions); None on a rank of a group that
         does not hold them."""
-        if self.group is not None:
-            return self._forward_shard(input_ids, plan, keep)
         if self.backend.decoder is not None:
             return self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep)
         return self.model(
             input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
             use_cache=False, logits_to_keep=keep, attention_plan=plan,
         ).logits[0]
-
-    def _forward_shard(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor | None:
-        """A rank's part of the forward: after the first stage the hidden states come
-        from the previous stage; before the last they go to the next one; on the last,
-        tensor rank 0 gathers the vocabulary slices into the logits."""
-        group, layout = self.group, self.layout
-        hidden = None
-        if not layout.first_stage:
-            hidden = group.recv_hidden(len(input_ids), self.model.config.hidden_size, self.loaded.dtype)
-        if self.backend.decoder is not None:
-            out = self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep, hidden=hidden)
-        else:
-            out = self.model.model(
-                input_ids=input_ids.unsqueeze(0) if hidden is None else None,
-                inputs_embeds=None if hidden is None else hidden.unsqueeze(0),
-                position_ids=plan.token_positions.unsqueeze(0), use_cache=False, attention_plan=plan,
-            ).last_hidden_state[0]
-            if layout.last_stage:
-                out = group.gather_logits(self.model.lm_head(out.index_select(0, keep)), self.loaded.vocab_size)
-        if not layout.last_stage:
-            group.send_hidden(out)
-            return None
-        return out
-
-    def _send_tokens(self, emitted: list[list[int]] | None, failed: set[int], s_rows: np.ndarray,
-                     width: np.ndarray) -> None:
-        """The leader: what each sampling row emitted, to the group's other ranks (a
-        ``[rows, 1 + width]`` table: a count, -1 for a failed row, -2 when the sampling
-        raised, then the tokens). The previous step's sends are complete first."""
-        for work in self._token_sends:
-            self.group.wait(work)
-        rows, cols = len(s_rows), 1 + (int(width.max()) if len(width) else 0)
-        grid = torch.full((rows, cols), -2, dtype=torch.int32)
-        if emitted is not None:
-            grid.zero_()
-            for i, (row, tokens) in enumerate(zip(s_rows.tolist(), emitted)):
-                grid[i, 0] = -1 if row in failed else len(tokens)
-                grid[i, 1 : 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-        self._token_sends = self.group.send_tokens(grid)
-
-    def _expect_tokens(self, step_id: int, s_rows: np.ndarray, width: np.ndarray) -> None:
-        """Another rank: posts the receive of the leader's tokens for this step's
-        sampling rows; they are appended when a later step needs them (``_collect_tokens``),
-        so an earlier pipeline stage goes on to another step meanwhile."""
-        cols = 1 + (int(width.max()) if len(width) else 0)
-        work, grid = self.group.receive_tokens(len(s_rows), cols)
-        requests = [self.batch.requests[r] for r in s_rows.tolist()]
-        self._token_receives.append((step_id, work, grid, requests))
-
-    def _collect_tokens(self, through: int) -> None:
-        """Another rank: appends the leader's tokens of the steps up to ``through``
-        (the step message's ``needs_tokens_of``) to their rows, found by request (later
-        steps may have moved them; a row removed since is skipped)."""
-        batch = self.batch
-        while self._token_receives and self._token_receives[0][0] <= through:
-            _, work, grid, requests = self._token_receives.pop(0)
-            self.group.wait(work)
-            where = {id(r): i for i, r in enumerate(batch.requests[: batch.batch_size]) if r is not None}
-            table = grid.cpu().numpy()
-            for req, entry in zip(requests, table):
-                row, count = where.get(id(req)), int(entry[0])
-                if row is None or count < 0:
-                    continue
-                batch.append_tokens(row, entry[1 : 1 + count].tolist())
-                batch.num_computed[row] += count - 1  # accepted drafts (with no drafts: 0)
-            if batch.thinking_budget is not None:
-                batch.thinking_budget.update_state([r.output_token_ids for r in batch.requests[: batch.batch_size]])
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """n-gram drafts for decoding rows, written past each row's known tokens."""
@@ -539,7 +460,7 @@ class ModelRunner:
             logitsprocs = build_logitsprocs(self.sampler_config, self.device, False)
         except (ImportError, ValueError, TypeError, RuntimeError) as exc:
             raise ModelLoadError(f"logits_processors: {exc}") from None
-        # Structured outputs (worker/runner/structured_output.py): idle while no row has a constraint.
+        # Structured outputs (worker/structured_output.py): idle while no row has a constraint.
         logitsprocs.non_argmax_invariant.append(StructuredOutputLogitsProcessor(
             self.sampler_config, self.device, False, compiler=self.grammar_compiler))
         thinking = None
@@ -554,7 +475,6 @@ class ModelRunner:
     def reset(self) -> None:
         """Drops every request and rebuilds the processors (cache rows are reused)."""
         self.batch = self._new_batch()
-        self._token_receives = []
 
     def memory(self) -> dict[str, int]:
         n = self.batch.batch_size

@@ -24,12 +24,11 @@ import psutil
 import ray
 import torch
 
+from worker.config import WorkerConfig
+from worker.protocol import Codec, WorkerInfo
 from worker.transport.compute_thread import ComputeThread
 from worker.transport.niceness import set_niceness
-from worker.config import WorkerConfig
-from worker.transport.protocol import Codec, WorkerInfo
 from worker.transport.step_channel import ChannelAddress, StepChannelServer, channel_host
-
 
 logger = logging.getLogger("raydecode")
 
@@ -75,8 +74,8 @@ class Worker:
         return self._run(self._load, config, group_rank)
 
     def _load(self, config: bytes | WorkerConfig, group_rank: bytes | None = None) -> bytes:
-        from worker.runner.model_runner import ModelRunner
-        from worker.transport.protocol import GroupRank
+        from worker.build import build_runner
+        from worker.protocol import GroupRank
 
         if isinstance(config, (bytes, bytearray)):
             config = msgspec.msgpack.decode(config, type=WorkerConfig)
@@ -86,7 +85,7 @@ class Worker:
             # Ray starts actors with OMP_NUM_THREADS=num_cpus, but torch may have been
             # initialised before; say it explicitly.
             torch.set_num_threads(threads)
-        self._runner = ModelRunner(config, rank, store=getattr(self, "_store", None))
+        self._runner = build_runner(config, rank, store=getattr(self, "_store", None))
         if self._runner.device.type == "cpu" and config.cpu_worker_niceness is not None:
             set_niceness(config.cpu_worker_niceness)  # after the load: torch's threads exist
         return msgspec.msgpack.encode(self._runner.info)
@@ -214,7 +213,7 @@ def create_worker(
     resources: dict[str, float] | None = None,
     compute_thread: bool = True,
     **options: Any,
-) -> "ray.actor.ActorHandle":
+) -> ray.actor.ActorHandle:
     """A ``Worker`` actor; a GPU actor when ``num_gpus`` > 0. Extra ``options`` go to
     ``.options()`` (name, scheduling_strategy, runtime_env, ...)."""
     cls = ray.remote(Worker)

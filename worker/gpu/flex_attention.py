@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from worker.runner.host_upload import HostUpload
+from worker.gpu.host_upload import HostUpload
 
 if TYPE_CHECKING:
     from worker.runner.attention_plan import AttentionPlan

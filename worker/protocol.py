@@ -45,7 +45,7 @@ class _RawArray(msgspec.Struct, array_like=True, frozen=True):
         return len(self.data) // self.dtype.itemsize
 
     @classmethod
-    def of(cls, values: object) -> "_RawArray":
+    def of(cls, values: object) -> _RawArray:
         """From any array-like; values that do not fit the dtype raise ``ValueError``
         instead of wrapping around or rounding."""
         source = np.asarray(values)

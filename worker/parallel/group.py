@@ -32,8 +32,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from worker.runner.parallel_layout import RankLayout, leader_rank
-from worker.transport.protocol import GroupRank
+from worker.parallel.layout import RankLayout, leader_rank
+from worker.protocol import GroupRank
 
 logger = logging.getLogger("raydecode")
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from worker.config import parse_partition
+
 
 class ParallelSizeError(ValueError):
     """The model cannot be split this way (the message says which sizes work)."""
@@ -47,7 +49,7 @@ class ModelShape:
     vocab_size: int
 
     @classmethod
-    def of(cls, config: Any) -> "ModelShape":
+    def of(cls, config: Any) -> ModelShape:
         text = getattr(config, "text_config", None) or config
         heads = int(text.num_attention_heads)
         kv = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -75,20 +77,6 @@ def _tp_problem(shape: ModelShape, tp: int) -> str | None:
     if shape.intermediate_size % tp:
         return f"its MLP width {shape.intermediate_size} does not divide by {tp}"
     return None
-
-
-def parse_partition(text: str | None) -> list[int] | None:
-    """``"10,10,10"`` -> ``[10, 10, 10]`` (None stays None); ``ValueError`` naming
-    ``pipeline_layer_partition`` otherwise."""
-    if text is None:
-        return None
-    try:
-        parts = [int(p) for p in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"pipeline_layer_partition must be comma-separated layer counts, got {text!r}") from None
-    if not parts or any(p < 1 for p in parts):
-        raise ValueError(f"pipeline_layer_partition must be positive layer counts, got {text!r}")
-    return parts
 
 
 def layer_partition(num_layers: int, pp: int, override: list[int] | None = None) -> list[int]:

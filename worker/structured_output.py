@@ -343,7 +343,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
     reads_draft_tokens = True
 
     def __init__(
-        self, config: "SamplerConfig", device: torch.device, is_pin_memory: bool,
+        self, config: SamplerConfig, device: torch.device, is_pin_memory: bool,
         compiler: GrammarCompiler | None = None,
     ) -> None:
         self.device = torch.device(device)
@@ -358,7 +358,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
 
     # -- state ------------------------------------------------------------------------
 
-    def _new_row(self, params: "SamplingParams", _prompt: Any, output: list[int]) -> _RowGrammar | None:
+    def _new_row(self, params: SamplingParams, _prompt: Any, output: list[int]) -> _RowGrammar | None:
         so = params.structured_outputs
         if so is None:
             return None

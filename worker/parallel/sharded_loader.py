@@ -34,6 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.parallel.layout import (
+    ModelShape,
+    ParallelSizeError,
+    RankLayout,
+    check_parallel_sizes,
+    parse_partition,
+    rank_layout,
+)
 from worker.runner.model_loader import (
     LoadedModel,
     ModelLoadError,
@@ -41,14 +49,6 @@ from worker.runner.model_loader import (
     choose_dtype,
     finish_loading,
     load_config,
-)
-from worker.runner.parallel_layout import (
-    ModelShape,
-    ParallelSizeError,
-    RankLayout,
-    check_parallel_sizes,
-    parse_partition,
-    rank_layout,
 )
 
 #: model_type -> causal-LM class whose layers shard by the rules below (Llama-shaped:

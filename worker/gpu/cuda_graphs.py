@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker.gpu.flex_attention import FlexPagedAttention
+from worker.gpu.host_upload import HostUpload
 from worker.runner.attention_plan import AttentionPlan
-from worker.runner.flex_attention import FlexPagedAttention
-from worker.runner.host_upload import HostUpload
 from worker.runner.kv_pool import PagedKVCache
 
 logger = logging.getLogger(__name__)
