@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # The CPU wheel on this kind of machine; on a CUDA host set TORCH_SPEC to your build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test bench peers clean
+.PHONY: setup run test test-fast test-slow lint bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,24 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m cluster.demo
 
-test: setup
-	$(PY) -m pytest -q
+# The whole suite (what CI runs): the lint gate, then every test, the 25 slowest named.
+test: setup lint
+	$(PY) -m pytest -q --durations=25
+
+# The inner loop: the tests not marked slow, over both cores, property tests drawing a
+# fifth of their examples; a test over 5 s fails it, named (tests/conftest.py).
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --tier fast
+
+# The slow tier alone (Ray clusters, servers, SmolLM2, kernel builds).
+test-slow: setup
+	$(PY) -m pytest -q --tier slow --durations=25
+
+# ruff (pyflakes, import order, bugbear, pyupgrade) and the import contracts
+# (pyproject.toml [tool.importlinter]).
+lint: setup
+	$(VENV)/bin/ruff check sampler worker cluster deploy tests
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: setup
 	$(PY) -m deploy.cli bench

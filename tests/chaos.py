@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 import psutil
+
 from helpers import TEMPLATE, free_port
 
 MODEL = "tiny"

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 import torch
-from worker_driver import MiniDriver, greedy_divergence
 
 from sampler.params import SamplingParams
+from worker_driver import MiniDriver, greedy_divergence
 
 if TYPE_CHECKING:
     from worker.protocol import StepRequest

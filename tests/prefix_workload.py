@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from helpers import TEMPLATE
 from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import TEMPLATE
 from tiny_model import CORPUS
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

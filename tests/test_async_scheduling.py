@@ -19,7 +19,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import pytest
-from helpers import TOKENIZER, ShadowWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +26,8 @@ from cluster.config import EngineConfig
 from cluster.output_processor import apply_reply
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
+from helpers import TOKENIZER, ShadowWorker
+from hypothesis_budget import examples
 from sampler.params import SamplingParams
 from worker.protocol import PROTOCOL_VERSION, Int32Array, StepReply
 
@@ -189,7 +190,7 @@ def run_ahead(cfg: AheadConfig) -> dict[str, int]:
     return stats
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps_ahead=st.sampled_from([1, 2, 2]),
     max_rows=st.integers(1, 6),
@@ -325,11 +326,11 @@ def test_a_worker_killed_with_two_steps_in_flight_loses_nothing(ray_local, tiny_
     import signal
 
     import torch
-    from helpers import assert_greedy_equal, generate
-    from helpers import prompts as random_prompts
     from transformers import AutoModelForCausalLM
 
     from cluster import LLM
+    from helpers import assert_greedy_equal, generate
+    from helpers import prompts as random_prompts
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     ps = random_prompts(400, [5, 23, 9, 40, 14, 31, 7, 18], seed=31)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cluster.block_manager import KEY_BYTES, ROOT, BlockManager, model_salt
+from hypothesis_budget import examples
 
 BS = 4
 NB = 24
@@ -146,7 +147,7 @@ class BlockMachine(RuleBasedStateMachine):
 
 
 TestBlockMachine = BlockMachine.TestCase
-TestBlockMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockMachine.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 
 
 def test_equal_prefixes_have_equal_keys_and_different_ones_never_meet():
@@ -229,6 +230,7 @@ print(",".join(k.hex() for k in bm.chain(None, list(range(100, 164)))))
 """
 
 
+@pytest.mark.slow  # a second interpreter
 def test_keys_are_the_same_in_another_process():
     """No per-process randomness (``hash()`` is seeded per process; these are not)."""
     root = Path(__file__).resolve().parent.parent

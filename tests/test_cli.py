@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import free_port
 
 from deploy.cli import ENGINE_DEST, _parser, config_docs, engine_kwargs, main
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

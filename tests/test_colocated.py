@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from helpers import free_port
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
@@ -18,6 +17,7 @@ from deploy.cli import main
 from deploy.colocated import Admission, LocalEngine
 from deploy.ingress import over_cluster_transport
 from deploy.serve import ServerArgs, build_app
+from helpers import free_port
 
 
 class FakeServer:

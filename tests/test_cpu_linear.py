@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_worker, prompts
 from torch import nn
-from worker_driver import MiniDriver, greedy_divergence
 
+from helpers import make_worker, prompts
 from sampler.params import SamplingParams
 from worker.cpu.kernels import load as load_cpu_kernels
 from worker.cpu.packed_linear import (
@@ -27,6 +26,7 @@ from worker.cpu.packed_linear import (
     pack_linear_layers,
     packable_dtypes,
 )
+from worker_driver import MiniDriver, greedy_divergence
 
 OPS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")

@@ -118,7 +118,6 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 def test_the_sampler_on_cuda_equals_the_reference():
     from reference_sampler import reference_row, tv_distance
-
     from sampler.config import SamplerConfig
     from sampler.metadata import SamplingMetadata
     from sampler.sampler import Sampler
@@ -177,7 +176,6 @@ def test_compiled_flex_on_cuda_equals_the_torch_path(dtype):
     per window must serve them all, each equal to the gather + SDPA path (sliding
     windows of 40 and 64 among them)."""
     from helpers import random_paged_case
-
     from worker.gpu.flex_attention import FlexPagedAttention
     from worker.runner.attention import attend_cached
     from worker.runner.attention_plan import AttentionPlan
@@ -206,7 +204,6 @@ def test_a_plan_built_on_the_host_equals_one_built_on_the_gpu():
     shaped for CUDA, and copies it in: tensor for tensor it equals the plan built on the
     GPU, and the block positions the mask function reads arrive on the GPU."""
     from helpers import random_paged_case
-
     from worker.gpu.cuda_graphs import _plan_tensors
     from worker.gpu.flex_attention import FlexPagedAttention
     from worker.runner.attention_plan import AttentionPlan

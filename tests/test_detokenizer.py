@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from cluster.detokenizer import IncrementalDetokenizer
+from hypothesis_budget import examples
 
 TEXT = st.text(
     alphabet=st.sampled_from(list("abc xyz.,!?\n") + list("héüö—日本語テキスト🙂🎉")),
@@ -45,7 +46,7 @@ def run(tok, prompt_ids, ids, **kw):
 def test_incremental_equals_whole_decode(which, request):
     tok = request.getfixturevalue(which)
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(prompt=TEXT, text=TEXT)
     def check(prompt, text):
         p_ids = tok.encode("q: " + prompt, add_special_tokens=False)

@@ -49,9 +49,9 @@ import httpx
 import psutil
 import pytest
 import yaml
-from helpers import assert_greedy_equal, free_port, generate, stream_completion_text
 
 from deploy.cli import throughput_serve_env
+from helpers import assert_greedy_equal, free_port, generate, stream_completion_text
 
 if TYPE_CHECKING:
     from ray.autoscaler.v2.schema import ClusterStatus
@@ -261,21 +261,18 @@ def driver(address: str):
     """This process connected to the fake cluster (for ``serve.status()``); a shared
     local Ray it had is shut down meanwhile and started again after."""
     import ray
-    from conftest import start_local_ray
 
-    had_local = ray.is_initialized()
-    ray.shutdown()
-    ray.init(address=address, log_to_driver=False, namespace="rdfake-test")
-    httpx_log = logging.getLogger("httpx")
-    level = httpx_log.level
-    httpx_log.setLevel(logging.WARNING)  # Ray's log setup would show every request
-    try:
-        yield
-    finally:
-        httpx_log.setLevel(level)
-        ray.shutdown()
-        if had_local:
-            start_local_ray()
+    from conftest import own_ray
+
+    with own_ray():
+        ray.init(address=address, log_to_driver=False, namespace="rdfake-test")
+        httpx_log = logging.getLogger("httpx")
+        level = httpx_log.level
+        httpx_log.setLevel(logging.WARNING)  # Ray's log setup would show every request
+        try:
+            yield
+        finally:
+            httpx_log.setLevel(level)
 
 
 def engine_replicas() -> dict[str, int]:

@@ -31,8 +31,6 @@ import psutil
 import pytest
 import ray
 import torch
-from conftest import start_local_ray
-from helpers import prompts
 from ray.exceptions import ObjectReconstructionFailedError
 
 import cluster.engine as engine_module
@@ -40,6 +38,8 @@ import cluster.worker_pool as worker_pool
 from cluster import LLM, RequestOutput
 from cluster.engine import LLMEngine
 from cluster.output_processor import apply_reply
+from conftest import own_ray
+from helpers import prompts
 from sampler.params import SamplingParams
 from worker.transport.step_channel import shutdown_connection
 
@@ -789,25 +789,24 @@ def nodes_and_llm(tiny_model_path):
     the shared local Ray comes back afterwards."""
     from ray.cluster_utils import Cluster
 
-    ray.shutdown()
     # Notice a lost node in about a second rather than the default ~15 s.
     health = {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": health})
-    llm = None
-    try:
-        for _ in range(2):
-            cluster.add_node(wait=False, num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        llm = LLM(tiny_model_path, num_workers=2, max_num_seqs=8, max_num_batched_tokens=32,
-                  worker_start_timeout_s=120, no_worker_timeout_s=3, placement_report_s=2, **COMMON)
-        yield cluster, llm, References(llm)
-    finally:
-        if llm is not None:
-            llm.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        start_local_ray()
+    with own_ray():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": health})
+        llm = None
+        try:
+            for _ in range(2):
+                cluster.add_node(wait=False, num_cpus=1)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            llm = LLM(tiny_model_path, num_workers=2, max_num_seqs=8, max_num_batched_tokens=32,
+                      worker_start_timeout_s=120, no_worker_timeout_s=3, placement_report_s=2, **COMMON)
+            yield cluster, llm, References(llm)
+        finally:
+            if llm is not None:
+                llm.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
 
 
 @pytest.mark.multinode

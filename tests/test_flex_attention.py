@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import random_paged_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import random_paged_case
+from hypothesis_budget import examples
 from worker.gpu.flex_attention import FlexPagedAttention
 from worker.runner.attention import attend_cached
 from worker.runner.attention_plan import AttentionPlan
@@ -36,7 +37,7 @@ def both_ways(cache, rows, cached, q_lens, table, q, heads, kv_heads, softcap=No
     return got, want
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     q_lens=st.lists(st.sampled_from([1, 1, 1, 2, 5, 16, 17, 40, 90]), min_size=1, max_size=6),
@@ -65,7 +66,7 @@ def test_flex_in_bfloat16_equals_the_float32_reference():
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     q_lens=st.lists(st.sampled_from([1, 1, 2, 5, 16, 17, 40, 90]), min_size=1, max_size=4),
@@ -182,9 +183,8 @@ def greedy_run(path: str, before=None, **config) -> dict[str, tuple[list[int], l
     """Greedy tokens and logprobs of a fixed mix of requests; ``before(worker)`` runs
     ahead of the first step."""
     from helpers import make_worker, prompts
-    from worker_driver import MiniDriver
-
     from sampler.params import SamplingParams
+    from worker_driver import MiniDriver
 
     config.setdefault("num_spec_tokens", 0 if config.get("cuda_graphs") else 2)
     w = make_worker(path, **config)
@@ -307,7 +307,6 @@ def test_compiled_norms_give_the_tokens_of_transformers_norms(tiny_model_path):
     eagerly through it. In float32 the tokens and logprobs are those of transformers'
     own norms (rows joining and leaving, buckets 1-4, padding rows)."""
     from helpers import make_worker
-
     from worker.gpu.compiled_norms import CompiledNorms
 
     w = make_worker(tiny_model_path, flex_attention=True, cuda_graphs=True, cpu_fused_decoder=False)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_worker, prompts
-from tiny_model import build_tiny_model
-from worker_driver import MiniDriver
 
+from helpers import make_worker, prompts
 from sampler.params import SamplingParams
+from tiny_model import build_tiny_model
 from worker.cpu.kernels import load as load_cpu_kernels
+from worker_driver import MiniDriver
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels cannot be built here")
 

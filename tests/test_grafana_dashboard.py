@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from helpers import served
 from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import served
 
 DASHBOARD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "grafana",
                          "raydecode.json")

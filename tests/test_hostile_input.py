@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cluster import LLM
 from cluster.inputs import PromptBudget, render_chat, tokenize_prompt
+from hypothesis_budget import examples
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.rejection_sampler import RejectionSampler
@@ -112,7 +113,7 @@ _params = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(params=st.lists(_params, min_size=1, max_size=4), scale=st.sampled_from([1.0, 30.0, 1e4]))
 def test_any_valid_parameters_sample_a_real_token_or_fail_the_row(params, scale):
     """Extreme but valid parameters on finite logits: every row samples a token in the

@@ -24,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_budget import examples
 from sampler.config import SamplerConfig
 from sampler.logits_processor import (
     BatchUpdateBuilder,
@@ -471,7 +472,7 @@ class Harness:
 
 
 @settings(
-    max_examples=150, deadline=None,
+    max_examples=examples(150), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(data=st.data())

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from helpers import assert_greedy_equal, generate, prompts
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, RequestOutput
+from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
 
 VOCAB = 400

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from helpers import served
 from hf_reference import HFReference
 

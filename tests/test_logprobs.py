@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_budget import examples
 from sampler.logprobs import (
     FlatLogprobs,
     Logprob,
@@ -25,7 +26,7 @@ from sampler.logprobs import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-HYP = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- strategies ----------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_model import build_tiny_model
 
 from cluster import LLM
 from sampler.params import SamplingParams
+from tiny_model import build_tiny_model
 
 BS = 16
 PREFIX = 65_536

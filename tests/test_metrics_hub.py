@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import ray
-from helpers import served
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.metrics import ReplicaMetrics, exposition, merge_families
 from deploy.metrics_hub import hub_handle, replica_families
+from helpers import served
 
 DEADLINE_S = 90.0  # a bound on every wait: a hang fails the test (the machine may be busy)
 

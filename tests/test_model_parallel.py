@@ -24,11 +24,12 @@ import signal
 import pytest
 import ray
 import torch
-from helpers import prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM, RequestOutput
+from helpers import prompts
+from hypothesis_budget import examples
 from sampler.params import SamplingParams
 from worker.cpu.shm_allreduce import ShmAllReduce
 from worker.parallel.layout import (
@@ -79,7 +80,7 @@ def shapes_and_sizes(draw):
 
 
 @given(shapes_and_sizes())
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 def test_every_head_column_layer_and_token_has_exactly_one_owner_per_stage(case):
     shape, tp, pp = case
     layouts = [rank_layout(shape, tp, pp, r) for r in range(tp * pp)]
@@ -418,8 +419,9 @@ def test_smollm2_split_answers_as_one_worker(ray_local, smollm2_single, tp, pp):
 def test_smollm2_served_with_tp_3_answers_the_openai_api(ray_local):
     import json
 
-    from helpers import served
     from openai import OpenAI
+
+    from helpers import served
 
     with served({"engine": {"tensor_parallel_size": 3, "max_model_len": 1024}}, "tp3") as server:
         client = OpenAI(base_url=f"{server}/v1", api_key="unused")
@@ -449,12 +451,12 @@ def test_a_group_of_one_rank_runs_the_shard_path(tiny_model_path, device):
 
     import msgspec
     import torch.distributed as dist
-    from helpers import make_worker
-    from worker_driver import MiniDriver
 
+    from helpers import make_worker
     from worker.config import WorkerConfig
     from worker.protocol import GroupRank
     from worker.transport.actor import Worker
+    from worker_driver import MiniDriver
 
     ps = prompts(VOCAB, [5, 40, 12], seed=51)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SEEDED, assert_greedy_equal, generate, make_worker, prompts, run_alone_and_mixed
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from worker_driver import MiniDriver, Req
 
+from helpers import SEEDED, assert_greedy_equal, generate, make_worker, prompts, run_alone_and_mixed
 from sampler.params import SamplingParams
 from worker.runner.model_loader import ModelLoadError, load_model
+from worker_driver import MiniDriver, Req
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import ray
-from conftest import start_local_ray
-from helpers import free_port, prompts
 
 from cluster import LLM, RequestOutput
+from conftest import own_ray
+from helpers import free_port, prompts
 from sampler.params import SamplingParams
 
 
@@ -24,17 +24,16 @@ def local_cluster(head: dict, second: dict):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    node = cluster.add_node(**second)
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster, node
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        start_local_ray()
+    with own_ray():
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        node = cluster.add_node(**second)
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            yield cluster, node
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
 
 
 @pytest.fixture

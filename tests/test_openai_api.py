@@ -17,12 +17,12 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import TEMPLATE, free_port
-from hf_reference import HFReference
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from deploy.serve import build_app
+from helpers import TEMPLATE, free_port
+from hf_reference import HFReference
 
 KEY = "sk-api"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

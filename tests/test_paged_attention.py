@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_budget import examples
 from worker.cpu.kernels import load
 from worker.cpu.paged_attention import CpuPagedKernel
 from worker.runner.attention import _batched_by_gathering, attend_cached
@@ -61,7 +62,7 @@ def run_kernel(q, cache, plan, scale, softcap, window):
                                       plan.batched_kv_lens, plan.batched_query_lens, scale, softcap, window)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     seed=st.integers(0, 2**16), rows=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4]), dim=st.sampled_from([16, 22, 64]), block=st.sampled_from([4, 16]),
@@ -99,7 +100,7 @@ def test_bfloat16_pools(isa, max_query, dim, block):
     assert torch.allclose(got[plan.batched_valid].float(), want[plan.batched_valid], atol=2e-2, rtol=2e-2)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     seed=st.integers(0, 2**16), chunks=st.lists(st.tuples(st.integers(17, 300), st.integers(0, 400)), min_size=1, max_size=3),
     decodes=st.integers(0, 3), group=st.sampled_from([1, 3]), block=st.sampled_from([4, 16]),
@@ -155,9 +156,8 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
 
 def test_greedy_output_with_the_kernel_equals_the_torch_path(tiny_model_path):
     from helpers import make_worker, prompts
-    from worker_driver import MiniDriver
-
     from sampler.params import SamplingParams
+    from worker_driver import MiniDriver
 
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = []
@@ -220,8 +220,8 @@ def test_the_torch_path_takes_sdpa_outputs_in_any_layout(monkeypatch):
     result either way (a ``view`` of that output failed on an H200 for a prefill chunk
     after a cached prefix)."""
     import torch.nn.functional as F
-    from helpers import random_paged_case
 
+    from helpers import random_paged_case
     from worker.runner import attention
 
     cache, rows, cached, lens, table, q = random_paged_case(3, [1, 3, 40, 1], 50, 2, 4, 32, 16, torch.float32, 1)

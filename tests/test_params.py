@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_budget import examples
 from sampler.params import SamplingParams, SamplingType
 
 
@@ -296,7 +297,7 @@ def valid_params_kwargs(draw):
     return kw
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(valid_params_kwargs())
 def test_msgpack_roundtrip_property(kwargs):
     params = SamplingParams(**kwargs)

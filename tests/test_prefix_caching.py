@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_greedy_equal, generate, prompts
-from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM
+from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
+from tiny_model import build_tiny_model
 from worker.runner.model_loader import ModelLoadError
 
 VOCAB = 400

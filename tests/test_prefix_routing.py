@@ -365,9 +365,10 @@ PER_PROMPT = 24  # chats per system prompt
 
 @pytest.fixture
 def app_url(ray_local, tiny_model_path):
+    from ray import serve
+
     from helpers import free_port
     from prefix_workload import engine_args, multi_engine_app
-    from ray import serve
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-from reference_sampler import reference_greedy_rejection, reference_row, tv_distance
 
+from reference_sampler import reference_greedy_rejection, reference_row, tv_distance
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams
 from sampler.rejection_sampler import RejectionSampler

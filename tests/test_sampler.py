@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-from reference_sampler import NEG_INF, reference_row, softmax, tv_distance
 
+from reference_sampler import NEG_INF, reference_row, softmax, tv_distance
 from sampler.config import SamplerConfig
 from sampler.metadata import SamplingMetadata
 from sampler.params import SamplingParams

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import pytest
-from helpers import TOKENIZER, ShadowRow, ShadowWorker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
 from cluster.sequence import Sequence
+from helpers import TOKENIZER, ShadowRow, ShadowWorker
+from hypothesis_budget import examples
 from sampler.params import SamplingParams
 from worker.protocol import MovedRows
 
@@ -365,7 +366,7 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
     )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=sim_configs())
 def test_simulation_against_shadow_worker(cfg: SimConfig) -> None:
     run_simulation(cfg)

@@ -14,10 +14,12 @@ from collections import Counter
 import httpx
 import pytest
 import schemathesis
-from helpers import served
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+
+from helpers import served
+from hypothesis_budget import examples
 
 # A template that refuses conversations that do not start with a user turn, the way
 # many real templates do (raise_exception is provided by transformers).
@@ -250,7 +252,7 @@ def test_fuzz_never_a_server_error(server):
     failures, statuses = [], Counter()
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+            @settings(max_examples=examples(30), deadline=None, suppress_health_check=list(HealthCheck), database=None)
             @given(case=op.as_strategy(generation_mode=mode))
             def run(case) -> None:
                 response = case.call(base_url=server, timeout=120)

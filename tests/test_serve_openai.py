@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from helpers import TEMPLATE, served
 
 KEY = "sk-test"

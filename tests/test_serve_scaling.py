@@ -17,10 +17,10 @@ import time
 
 import httpx
 import pytest
-from helpers import free_port, stream_completion_text
 from ray import serve
 
 from deploy.serve import build_app
+from helpers import free_port, stream_completion_text
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 APP = "scaling"

@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 import ray
+
 from chaos import (
     ChaosCluster,
     Fault,
@@ -71,7 +72,7 @@ from chaos import (
     wait_recovered,
     wait_until,
 )
-from conftest import start_local_ray
+from conftest import own_ray
 
 pytestmark = pytest.mark.multinode
 
@@ -88,13 +89,12 @@ _REFERENCE: dict[str, tuple[str, str | None]] = {}
 @pytest.fixture(scope="module")
 def chaos(tiny_model_path: str) -> Any:
     """The cluster (the shared local Ray comes back afterwards)."""
-    ray.shutdown()
-    cl = ChaosCluster()
-    try:
-        yield cl
-    finally:
-        cl.close()
-        start_local_ray()
+    with own_ray():
+        cl = ChaosCluster()
+        try:
+            yield cl
+        finally:
+            cl.close()
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import QUESTIONS, assert_greedy_equal, generate
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM
+from helpers import QUESTIONS, assert_greedy_equal, generate
 from sampler.params import SamplingParams
 
 pytestmark = pytest.mark.smollm2

@@ -6,14 +6,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from helpers import QUESTIONS, assert_greedy_equal, generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from worker_driver import MiniDriver
 
+from helpers import QUESTIONS, assert_greedy_equal, generate
 from sampler.params import SamplingParams
 from worker.config import WorkerConfig
 from worker.runner.model_loader import default_model_path
 from worker.transport.actor import create_worker, decode_info
+from worker_driver import MiniDriver
 
 pytestmark = pytest.mark.smollm2
 

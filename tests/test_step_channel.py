@@ -13,15 +13,15 @@ from multiprocessing.connection import Client
 import msgspec
 import pytest
 import torch
-from helpers import assert_greedy_equal, generate, prompts
 from transformers import AutoModelForCausalLM
-from worker_driver import MiniDriver
 
+from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
 from worker.config import WorkerConfig
 from worker.transport.actor import StaleStep, Worker, create_worker, decode_info
 from worker.transport.compute_thread import ComputeThread
 from worker.transport.step_channel import ChannelClosed, StepChannel, StepChannelServer, StepFailed, wait_ready
+from worker_driver import MiniDriver
 
 
 def served(handle) -> tuple[ComputeThread, StepChannelServer, StepChannel]:

@@ -20,8 +20,9 @@ import jsonschema
 import openai
 import pytest
 import regex
-from helpers import TEMPLATE, post_json, served
 from pydantic import BaseModel, ConfigDict, Field
+
+from helpers import TEMPLATE, post_json, served
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from hypothesis_budget import examples
 from sampler.config import SamplerConfig
 from sampler.logits_processor import BatchUpdate, LogitsProcessors, MoveDirectionality
 from sampler.logits_processor.loading import build_logitsprocs
@@ -35,7 +36,7 @@ from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProc
 
 VOCAB = 400
 EOS = 0
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=examples(25), deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

@@ -15,18 +15,19 @@ import jsonschema
 import pytest
 import regex
 import torch
-from helpers import NEAR_TIE, prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, RequestOutput
+from helpers import NEAR_TIE, prompts
+from hypothesis_budget import examples
 from sampler.params import SamplingParams, StructuredOutputsParams
 from worker.structured_output import GrammarCompiler
 
 VOCAB = 400
 MAX_TOKENS = 96
-SETTINGS = settings(max_examples=5, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=examples(5), deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

@@ -15,7 +15,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import post_json, served
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,8 @@ from deploy.openai.tool_parsers import (
     NamedFunctionParser,
     RequiredCallsParser,
 )
+from helpers import post_json, served
+from hypothesis_budget import examples
 
 # A Hermes / Qwen-style template: the tools in a system turn (their names only: the
 # tiny model's 512 positions cannot hold their schemas), earlier calls as <tool_call>
@@ -166,7 +167,7 @@ PIECES = st.lists(st.one_of(
 ), max_size=8).map("".join)
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=examples(300), deadline=None, database=None)
 @given(text=PIECES, cuts=st.lists(st.integers(0, 200), max_size=12))
 def test_hermes_stream_split_anywhere_gives_the_whole_answer(text, cuts):
     """Whatever the output and wherever it is split, the stream's content and calls
@@ -182,7 +183,7 @@ def test_hermes_stream_split_anywhere_gives_the_whole_answer(text, cuts):
         assert content == text  # nothing parsed: the text exactly
 
 
-@settings(max_examples=200, deadline=None, database=None)
+@settings(max_examples=examples(200), deadline=None, database=None)
 @given(calls=st.lists(st.tuples(st.sampled_from(["add", "f"]), st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
@@ -534,7 +535,7 @@ HOSTILE_FIELDS = st.fixed_dictionaries({}, optional={
 })
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=examples(60), deadline=None, database=None)
 @given(fields=HOSTILE_FIELDS)
 def test_hostile_tool_and_constraint_fields_never_a_server_error(server, fields):
     """Drawn tools, tool choices, constraints and tool messages, valid or not: never

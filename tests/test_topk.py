@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_budget import examples
 from sampler.ops.topk import block_size, topk
 
 
@@ -31,7 +32,7 @@ def rows_and_k(draw):
     return x, k
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(rows_and_k(), st.booleans())
 def test_blocked_topk_matches_torch(case, sort):
     x, k = case

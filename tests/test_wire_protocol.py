@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_budget import examples
 from sampler.params import RequestOutputKind, SamplingParams
 from worker.protocol import (
     EMPTY_F32,
@@ -39,7 +40,7 @@ CODEC = Codec()
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
 FAST = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

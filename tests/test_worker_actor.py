@@ -8,10 +8,9 @@ import os
 import msgspec
 import pytest
 import torch
-from helpers import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
 from transformers import AutoModelForCausalLM
-from worker_driver import MiniDriver
 
+from helpers import SEEDED, assert_greedy_equal, generate, prompts, run_alone_and_mixed
 from sampler.params import SamplingParams
 from worker.config import WorkerConfig
 from worker.protocol import (
@@ -22,6 +21,7 @@ from worker.protocol import (
     StepRequest,
 )
 from worker.transport.actor import create_worker, decode_info
+from worker_driver import MiniDriver
 
 TESTS_DIR = os.path.dirname(__file__)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,7 @@ def test_the_worker_has_its_rooms():
     assert not list((ROOT / "worker").glob("*.cpp")), "C++ sources live in worker/cpu/csrc"
 
 
+@pytest.mark.slow  # a fresh interpreter importing every module
 def test_importing_the_worker_registers_nothing_with_transformers():
     modules = [m for room in (*RAY_FREE_ROOMS, "transport") for m in _modules(f"worker.{room}")] + _modules("worker")
     code = "\n".join([f"import {m}" for m in modules] + [
@@ -50,6 +53,7 @@ def test_importing_the_worker_registers_nothing_with_transformers():
     assert _run(code).strip() == "ok"
 
 
+@pytest.mark.slow  # a fresh interpreter importing every module
 def test_the_ray_free_rooms_load_no_ray():
     """What the contracts cannot see: no library these rooms import pulls Ray in."""
     modules = [m for room in RAY_FREE_ROOMS for m in _modules(f"worker.{room}")]

@@ -27,9 +27,9 @@ _model_construct = pydantic.BaseModel.model_construct.__func__
 def construct(model: type[M], /, **fields: Any) -> M:
     """``model`` with ``fields`` set as given, unvalidated: pydantic's own
     ``model_construct``. The openai package's models override it with a recursive
-    version that converts every value to its annotated type (~30 us a streamed chunk
-    against ~6); the values here are already of their types, so both dump the same
-    JSON."""
+    version that converts every value to its annotated type (several times the cost of a
+    streamed chunk: docs/performance.md); the values here are already of their types, so
+    both dump the same JSON."""
     return _model_construct(model, **fields)
 
 

@@ -134,9 +134,8 @@ def decode_step(path: str, rows: int, context: int, steps: int, device: str = "c
 def _decode_step(path: str, rows: int, context: int, steps: int, device: str, profile: bool,
                  **config: Any) -> tuple[float, float]:
     from helpers import make_worker
-    from worker_driver import MiniDriver
-
     from sampler.params import SamplingParams
+    from worker_driver import MiniDriver
 
     w = make_worker(path, device=device, dtype="bfloat16", max_num_seqs=rows, max_model_len=context + steps + 8,
                     **config)
@@ -188,8 +187,9 @@ def main() -> None:
         return
     import ray
     import transformers
-    from tiny_model import LLAMA_1B, build_random_llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_model import LLAMA_1B, build_random_llama
 
     t_start = time.perf_counter()
     n = args.requests or (32 if args.quick else 64)

@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 import ray  # noqa: E402
 from _results import Row, emit  # noqa: E402
-from helpers import free_port  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deploy.serve import build_app  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 TARGET_S = 1.0  # neither the stream nor /health may stall this long
 

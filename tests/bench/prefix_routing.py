@@ -36,9 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ray  # noqa: E402
 from _results import Row, emit  # noqa: E402
+from ray import serve  # noqa: E402
+
 from helpers import free_port  # noqa: E402
 from prefix_workload import Run, chat_requests, engine_args, measure, multi_engine_app, send_all, system_prompts  # noqa: E402
-from ray import serve  # noqa: E402
 
 SETUPS = {"prefix": (2, "prefix_aware"), "pow2": (2, "power_of_two"), "single": (1, "prefix_aware")}
 TARGET = 0.9

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import Row, emit  # noqa: E402
+
 from chaos import (  # noqa: E402
     INJECT,
     ChaosCluster,

@@ -61,8 +61,9 @@ def load_tokenizer(quick: bool):
         import tempfile
 
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-        from tiny_model import build_tiny_model
         from transformers import AutoTokenizer
+
+        from tiny_model import build_tiny_model
 
         return AutoTokenizer.from_pretrained(build_tiny_model(tempfile.mkdtemp()))
     from worker.runner.model_loader import load_tokenizer as load

@@ -143,9 +143,9 @@ from _timeline import (  # noqa: E402
     vllm_steps,
 )
 from e2e import TEMPERATURE, TOP_K, TOP_P, Req, build_workload, corpus_tokens, run_ours  # noqa: E402
-from helpers import free_port  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from helpers import free_port  # noqa: E402
 from worker.runner.model_loader import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN = 64, 512, 2048

@@ -114,8 +114,8 @@ def _put_ninja_on_path() -> None:
     (a dependency; it installs beside the interpreter, on PATH only in an activated
     venv), whatever else is there. From 1.13 ninja hashes a build's commands
     differently, so a system ninja (1.11) and the wheel's (1.13) took turns rebuilding
-    all four kernels, each seeing the other's commands as changed: ~50 s of both cores
-    at a worker's start whenever a process started without the venv on PATH loaded
+    all four kernels, each seeing the other's commands as changed: a full build at a
+    worker's start whenever a process started without the venv on PATH loaded
     them after one started with it, or the other way round."""
     try:
         import ninja

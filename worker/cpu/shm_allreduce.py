@@ -3,8 +3,8 @@
 The ranks (separate processes) map one file under ``/dev/shm``; each call copies the
 rank's tensor into its buffer there, waits for the others' and sums every rank's in
 rank order, so all ranks get bit-identical results (``csrc/shm_allreduce.cpp`` has the
-protocol and why it is safe). Decode-sized messages take a few microseconds where gloo
-over loopback TCP takes hundreds on the 2-core VM (``tests/bench/allreduce.py``). A
+protocol and why it is safe). Decode-sized messages take a small fraction of gloo's
+time over loopback TCP (``tests/bench/allreduce.py``; docs/performance.md). A
 waiting rank spins ~25 us, then sleeps on a futex until its peer publishes, so ranks
 may share cores (slower, still correct).
 

@@ -2,9 +2,9 @@
 
 transformers' RMSNorm runs as half a dozen kernels on a GPU: the cast to float32, the
 square, the mean, the reciprocal square root, two multiplies and the cast back. A graphed
-decode step of a small model is made of such kernels: on the H200, a 1B Llama's decode
-step at batch 64 spent about 46% of its GPU time in elementwise glue, and compiling the
-norms took the step from 5.92 to 4.96 ms. Each norm module's own ``forward`` is compiled
+decode step of a small model is made largely of such elementwise glue, and compiling the
+norms shortens it (measured: docs/performance.md, "The numbers behind the code's
+choices"). Each norm module's own ``forward`` is compiled
 (``torch.compile``, dynamic shapes: one compile serves every batch size and every norm
 of the same class), so its arithmetic is unchanged; only intermediate roundings go
 (inductor keeps float32 in registers until the final cast: in bfloat16 an output may
@@ -13,8 +13,7 @@ differ from transformers' by one unit in the last place).
 The compiled norms run only where ``CompiledNorms.wrap`` switches them on: the forwards
 a CUDA graph records (its warm-up, where they compile, and its capture). Steps launched
 from Python keep transformers' norms: there a compiled function's call costs more host
-time than the kernels it saves (on the H200 the eager decode step took 31.8 ms with
-compiled norms against 25.0 without).
+time than the kernels it saves (the eager decode step ran slower with them).
 """
 
 from __future__ import annotations
