@@ -6,7 +6,8 @@ Modules:
   engine_server  the engine deployment: AsyncLLM behind the OpenAI protocol, called by the ingress
   request_router  the ingress's handle policy: each prompt to the engine replica that cached
            its prefix, within a load-imbalance guard (Serve's request-router API)
-  serve_llm  Ray Serve LLM's config shape (LLMConfig, build_openai_app) over those builders
+  serve_llm/  Ray Serve LLM's config shape (LLMConfig, build_openai_app) over those builders
+           (its ``__init__`` lists the modules)
   metrics  ``GET /metrics``: the engine's counters as Prometheus text under vLLM's names,
            for every replica of the app (``ReplicaMetrics``)
   metrics_hub  the hub actor of an app that its replicas push their metrics to

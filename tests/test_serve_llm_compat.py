@@ -1,4 +1,4 @@
-"""Ray Serve LLM's configuration shape on raydecode (``deploy/serve_llm.py``).
+"""Ray Serve LLM's configuration shape on raydecode (``deploy/serve_llm/``).
 
 A Serve config written as Ray's docs write one (two models in one app,
 ``import_path: ray.serve.llm:build_openai_app``) has its ``import_path`` swapped to
@@ -403,14 +403,14 @@ def test_each_model_is_its_own_engine_deployment_with_its_deployment_config(depl
 
 
 def test_accelerator_type_no_node_could_have_is_an_error_at_build(deployed, monkeypatch):
-    import deploy.serve_llm as serve_llm
+    import deploy.serve_llm.placement as placement
 
     config = llm("gpu-model", accelerator_type="H100")
-    assert serve_llm._autoscaler_resources() == {}  # this local Ray: no autoscaler
+    assert placement._autoscaler_resources() == {}  # this local Ray: no autoscaler
     with pytest.raises(ValueError, match=r"accelerator_type 'H100': no node of this Ray cluster has it"):
         build_openai_app({"llm_configs": [config]})
     # Where a node offers it, the build goes through and the workers ask for it.
-    real = serve_llm.ray.cluster_resources
-    monkeypatch.setattr(serve_llm.ray, "cluster_resources", lambda: {**real(), "accelerator_type:H100": 1.0})
+    real = placement.ray.cluster_resources
+    monkeypatch.setattr(placement.ray, "cluster_resources", lambda: {**real(), "accelerator_type:H100": 1.0})
     build_openai_app({"llm_configs": [config]})
     assert LLMConfig(**config).plan().args.engine["worker_resources"] == {"accelerator_type:H100": 0.001}
