@@ -14,6 +14,8 @@ Modules:
   openai/  the OpenAI (and vLLM-extension) protocol: request models, responses, tools,
            structured outputs (its ``__init__`` lists the modules)
   cli      the ``raydecode`` command (generate, serve, bench)
+  engine_flags  ``EngineConfig``'s fields as the command's flags
+  serve_env  the environment ``raydecode serve`` gives Ray Serve before Ray starts
 
 Beside them: ``grafana/raydecode.json`` (a Grafana dashboard over ``/metrics``),
 ``serve.yaml`` (a Serve config of the app), ``cluster.yaml`` and

@@ -1,25 +1,35 @@
-"""The ``raydecode`` command: ``generate``, ``serve`` and ``bench``."""
+"""The ``raydecode`` command: ``generate``, ``serve`` and ``bench``. Each subcommand is
+a function that adds its parser (``_generate_parser``, ``_serve_parser``,
+``_bench_parser``) and one that runs it (``_generate``, ``_serve``, ``_bench``), beside
+its own helpers; ``main`` parses and dispatches. The ``EngineConfig`` flags that
+``generate`` and ``serve`` share are ``deploy.engine_flags``; the environment ``serve``
+gives Ray Serve is ``deploy.serve_env`` (both re-exported here, as before).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import types
-import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
+from deploy.engine_flags import ENGINE_DEST, FLAG_NAMES, add_engine_flags, config_docs, engine_kwargs, json_of
+from deploy.serve_env import direct_ingress_env, quiet_serve_env, serving_priority_env, throughput_serve_env
+
+#: Names kept importable from here: the command's own, and those that moved to
+#: ``deploy.engine_flags`` and ``deploy.serve_env``.
+__all__ = [
+    "BENCH_HELP", "BENCH_SCRIPTS_ENV", "ENGINE_DEST", "FLAG_NAMES", "GENERATE_HELP", "bench_folder", "config_docs",
+    "direct_ingress_env", "engine_kwargs", "main", "quiet_serve_env", "serving_priority_env", "throughput_serve_env",
+]
 
 GENERATE_HELP = """Prompts come from the arguments or from a JSONL file (--input), one object per
 line: {"prompt": "..."}, {"prompt_token_ids": [...]} or {"messages": [...]}
@@ -38,125 +48,30 @@ next to the package; elsewhere name them: --scripts CHECKOUT/tests/bench or
 ${BENCH_SCRIPTS_ENV}."""
 
 
-#: vLLM's flag names where vLLM has the same setting under another name (the first is
-#: shown in --help; the others, our own names among them, are aliases). Every other
-#: ``EngineConfig`` field is ``--field-name``, which is vLLM's name where vLLM has it
-#: (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --seed, --dtype, ...).
-FLAG_NAMES = {
-    "num_workers": ["--num-workers", "--data-parallel-size", "-dp"],
-    "kv_block_size": ["--block-size", "--kv-block-size"],
-    "num_spec_tokens": ["--spec-tokens", "--num-spec-tokens"],
-    "tensor_parallel_size": ["--tensor-parallel-size", "-tp"],
-    "pipeline_parallel_size": ["--pipeline-parallel-size", "-pp"],
-}
-
-
-def config_docs(cls: type | None = None) -> dict[str, str]:
-    """Each config field's ``#:`` doc comment (the lines right above it), by name, from
-    the class and the classes it extends (``EngineConfig`` extends ``WorkerConfig``)."""
-    if cls is None:
-        from cluster.config import EngineConfig as cls
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if klass.__module__.split(".")[0] in ("builtins", "msgspec") or not getattr(klass, "__struct_fields__", None):
-            continue
-        lines, _ = inspect.getsourcelines(klass)
-        pending: list[str] = []
-        for line in lines:
-            text = line.strip()
-            if text.startswith("#:"):
-                pending.append(text[2:].strip())
-                continue
-            match = re.match(r"([A-Za-z_]\w*)\s*:", text)
-            if match and pending:
-                docs[match.group(1)] = " ".join(pending)
-            pending = []
-    return docs
-
-
-def _json_of(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
-        if not isinstance(value, kind):
-            raise argparse.ArgumentTypeError(f"expected a JSON {kind.__name__}, got {text!r}")
-        return value
-
-    parse.__name__ = f"JSON {kind.__name__}"
-    return parse
-
-
-class _ListAction(argparse.Action):
-    """A list field: several values (``--logits-processors a:A b:B``, vLLM's form) or
-    one JSON list."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
-        if len(values) == 1 and values[0].lstrip().startswith("["):
-            try:
-                values = _json_of(list)(values[0])
-            except argparse.ArgumentTypeError as exc:
-                parser.error(f"{option}: {exc}")
-        setattr(namespace, self.dest, list(values))
-
-
-def _base_type(hint: Any) -> Any:
-    """int, float, str, bool, list or dict for a field's type (``X | None`` -> X)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _base_type(args[0]) if len(args) == 1 else str
-    if origin is typing.Literal:
-        return type(typing.get_args(hint)[0])
-    return origin or hint
-
-
-ENGINE_DEST = "engine__"
-
-
-def _engine_flags(p: argparse.ArgumentParser, taken: set[str] = frozenset()) -> None:
-    """One flag per ``EngineConfig`` field, typed from the field and helped by its
-    ``#:`` comment. A name the subcommand already uses for something else gets an
-    ``--engine-`` prefix (``generate --seed`` is the sampling seed; ``--engine-seed``
-    the engine's). Flags not given leave the config's defaults."""
-    from cluster.config import EngineConfig
-
-    g = p.add_argument_group("engine (EngineConfig; dict and list fields take JSON)")
-    hints = typing.get_type_hints(EngineConfig)
-    docs = config_docs(EngineConfig)
-    for f in msgspec.structs.fields(EngineConfig):
-        names = [n if n not in taken else "--engine-" + n.lstrip("-") for n in
-                 FLAG_NAMES.get(f.name, ["--" + f.name.replace("_", "-")])]
-        kind = _base_type(hints[f.name])
-        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
-        doc = docs.get(f.name, "")
-        help_ = f"{doc} (default: {json.dumps(default) if kind in (list, dict) else default})".replace("%", "%%")
-        kw: dict[str, Any] = {"dest": ENGINE_DEST + f.name, "default": argparse.SUPPRESS, "help": help_.strip(),
-                              "metavar": f.name.upper()}
-        if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-            del kw["metavar"]
-        elif kind is list:
-            kw.update(action=_ListAction, nargs="+", metavar="VALUE")
-        elif kind is dict:
-            kw.update(type=_json_of(dict), metavar="JSON")
-        else:
-            kw["type"] = kind
-            if typing.get_origin(hints[f.name]) is typing.Literal:
-                kw["choices"] = typing.get_args(hints[f.name])
-        g.add_argument(*names, **kw)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``EngineConfig`` fields given on the command line."""
-    return {k[len(ENGINE_DEST):]: v for k, v in vars(args).items() if k.startswith(ENGINE_DEST)}
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="raydecode", description="Ray-based LLM serving: generate, serve, bench.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+    _generate_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command == "generate":
+        return _generate(ap, args)
+    if args.command == "serve":
+        return _serve(ap, args)
+    return _bench(ap, args)
+
+
+# -- generate -------------------------------------------------------------------------
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    """``raydecode generate``: prompts (arguments or JSONL), sampling flags, engine flags."""
     gen = sub.add_parser("generate", help="run prompts to completion and write JSONL",
                          description=GENERATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompts", nargs="*", help="prompt texts")
@@ -175,172 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
-    _engine_flags(gen, taken={"--seed"})
-
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible endpoint (Ray Serve) until interrupted")
-    srv.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM's `vllm serve MODEL` (or --model)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,
-                     help="the Serve replica answers HTTP on --port itself (Ray Serve's direct ingress): no hop "
-                          "through Serve's proxy for every streamed chunk. Only where serve starts its own Ray "
-                          "(no --address); a joined cluster keeps the proxies it was started with")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
-    srv.add_argument("--request-timeline", type=Path, default=None, metavar="PATH",
-                     help="append one JSON line per request and stage (ingress, engine) to PATH: where its time to "
-                          "first token went (send an X-Request-Id to join the stages), and one per engine step; "
-                          "off by default")
-    t = srv.add_argument_group("tools and structured outputs (vLLM's flags)")
-    t.add_argument("--tool-call-parser", choices=_tool_parser_names(), default=None,
-                   help="the model's tool call format, parsed for tool_choice \"auto\": hermes (Hermes 2 Pro / 3, "
-                        "Qwen 2.5 / 3, <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3 JSON calls)")
-    t.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="allow tool_choice \"auto\" (the default when a request has tools); needs --tool-call-parser")
-    t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                   help="tool_choice \"none\": leave the tools out of the prompt")
-    t.add_argument("--max-tools", type=int, default=None, help="tools one request may carry (default: 128)")
-    t.add_argument("--structured-outputs-config", type=_json_of(dict), default=None, metavar="JSON",
-                   help='defaults for JSON constraints: {"disable_any_whitespace": true, '
-                        '"disable_additional_properties": true}')
-    r = srv.add_argument_group("engine replicas: how many, how they scale, how they drain (Serve's settings)")
-    r.add_argument("--num-replicas", type=int, default=None, help="fixed engine replicas (default 1)")
-    r.add_argument("--min-replicas", type=int, default=None,
-                   help="autoscale the engine replicas between --min-replicas and --max-replicas")
-    r.add_argument("--max-replicas", type=int, default=None)
-    r.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="requests in flight per replica the autoscaler aims for (Serve's default: 2)")
-    r.add_argument("--autoscaling-config", type=_json_of(dict), default=None, metavar="JSON",
-                   help="Serve's whole autoscaling_config, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, "
-                        "\"upscale_delay_s\": 5}' (the flags above override its keys)")
-    r.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
-                   help="a replica leaving finishes its in-flight requests for up to this long (default 60)")
-    r.add_argument("--max-ongoing-requests", type=int, default=None, help="per replica, in the engine at once")
-    r.add_argument("--max-queued-requests", type=int, default=None, help="waiting for a replica; beyond: 503")
-    r.add_argument("--request-router", choices=("prefix_aware", "power_of_two"), default=None,
-                   help="how the ingress picks a replica: prefix_aware (to the one that cached the prompt's prefix, "
-                        "within a load-imbalance guard) or power_of_two (Serve's); default: prefix_aware when the "
-                        "engine caches prefixes")
-    r.add_argument("--request-router-kwargs", type=_json_of(dict), default=None, metavar="JSON",
-                   help='the prefix-aware router\'s settings, e.g. \'{"imbalanced_threshold": 16}\' (requests a '
-                        "replica may have in flight beyond the least busy one and still get its prefixes; default 8)")
-    r.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
-                   help="the HTTP ingress and the engine in one replica: no router, no gRPC hop and one process "
-                        "fewer; on by default with one engine replica and no --request-router*, refused with more. "
-                        "While that replica is replaced (it crashed) nothing answers HTTP; with --no-colocate the "
-                        "ingress answers 503")
-    _engine_flags(srv)
-
-    bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
-                           description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_argument("names", nargs="*", help="scripts to run (default: all), e.g. e2e worker_step")
-    bench.add_argument("--scripts", type=Path, default=None, metavar="DIR",
-                       help=f"the benchmark folder (a checkout's tests/bench; default: ${BENCH_SCRIPTS_ENV}, "
-                            "else the checkout this raydecode runs from)")
-    bench.add_argument("--quick", action="store_true", help="pass --quick to each script")
-    bench.add_argument("--out", type=Path, default=Path("bench-results"),
-                       help="folder for the scripts' results, results.md and throughput.png "
-                            "(default: %(default)s); running some scripts keeps the others' results")
-    return ap
-
-
-def _tool_parser_names() -> list[str]:
-    from deploy.openai.tool_parsers import TOOL_PARSERS
-
-    return sorted(TOOL_PARSERS)
-
-
-def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
-    """The tools and structured-outputs part of ``ServerArgs`` (bad values exit 2)."""
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        ap.error("--enable-auto-tool-choice requires --tool-call-parser")
-    if args.max_tools is not None and args.max_tools < 1:
-        ap.error(f"--max-tools must be at least 1, got {args.max_tools}")
-    out: dict[str, Any] = {"tool_call_parser": args.tool_call_parser,
-                           "enable_auto_tool_choice": args.enable_auto_tool_choice,
-                           "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
-    if args.max_tools is not None:
-        out["max_tools"] = args.max_tools
-    if args.structured_outputs_config is not None:
-        from pydantic import ValidationError
-
-        from deploy.server_args import StructuredOutputsConfig
-
-        try:
-            StructuredOutputsConfig.model_validate(args.structured_outputs_config)
-        except ValidationError as exc:
-            ap.error(f"--structured-outputs-config: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
-        out["structured_outputs_config"] = args.structured_outputs_config
-    return out
-
-
-def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
-    """The replica part of ``ServerArgs`` (bad values exit 2, naming the flag)."""
-    out: dict[str, Any] = {}
-    scaling = dict(args.autoscaling_config or {})
-    for flag in ("min_replicas", "max_replicas", "target_ongoing_requests"):
-        if getattr(args, flag) is not None:
-            scaling[flag] = getattr(args, flag)
-    if scaling:
-        if args.num_replicas is not None:
-            ap.error("--num-replicas fixes the replicas; --min-replicas/--max-replicas/--autoscaling-config scale "
-                     "them: give one or the other")
-        out["autoscaling_config"] = scaling
-    elif args.num_replicas is not None:
-        out["num_replicas"] = args.num_replicas
-    for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests", "request_router",
-                 "request_router_kwargs"):
-        if getattr(args, flag) is not None:
-            out[flag] = getattr(args, flag)
-    # By default, one engine replica with no router asked for shares the ingress's replica.
-    out["colocate"] = args.colocate if args.colocate is not None else (
-        "autoscaling_config" not in out and out.get("num_replicas", 1) == 1
-        and "request_router" not in out and "request_router_kwargs" not in out)
-    from pydantic import ValidationError
-
-    from deploy.server_args import ServerArgs
-
-    try:
-        ServerArgs.model_validate(out)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "replica flags"
-        ap.error(f"{where}: {str(first['msg']).removeprefix('Value error, ')}")
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = _parser()
-    args = ap.parse_args(argv)
-    if args.command == "generate":
-        return _generate(ap, args)
-    if args.command == "serve":
-        return _serve(ap, args)
-    return _bench(ap, args)
-
-
-# -- generate -------------------------------------------------------------------------
-
-
-def _read_jsonl(ap: argparse.ArgumentParser, path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        ap.error(f"input file {path} does not exist")
-    items = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            ap.error(f"{path}:{n}: not JSON ({exc.msg})")
-        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(item)):
-            ap.error(f"{path}:{n}: expected an object with 'prompt', 'prompt_token_ids' or 'messages'")
-        items.append(item)
-    return items
+    add_engine_flags(gen, taken={"--seed"})
 
 
 def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Runs the prompts to completion on an ``LLM`` and writes one JSON object per line."""
     from sampler.params import SamplingParams
 
     items = _read_jsonl(ap, args.input) if args.input else []
@@ -398,6 +152,23 @@ def _generate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_jsonl(ap: argparse.ArgumentParser, path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        ap.error(f"input file {path} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            ap.error(f"{path}:{n}: not JSON ({exc.msg})")
+        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(item)):
+            ap.error(f"{path}:{n}: expected an object with 'prompt', 'prompt_token_ids' or 'messages'")
+        items.append(item)
+    return items
+
+
 def _llm(cls: Any, ap: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
     kwargs = engine_kwargs(args)
     if kwargs.get("address") is None:
@@ -412,7 +183,66 @@ def _llm(cls: Any, ap: argparse.ArgumentParser, args: argparse.Namespace) -> Any
 # -- serve ----------------------------------------------------------------------------
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    """``raydecode serve``: the endpoint, tools and structured outputs, the engine replicas, engine flags."""
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible endpoint (Ray Serve) until interrupted")
+    srv.add_argument("model_tag", nargs="?", default=None, help="the model, as vLLM's `vllm serve MODEL` (or --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,
+                     help="the Serve replica answers HTTP on --port itself (Ray Serve's direct ingress): no hop "
+                          "through Serve's proxy for every streamed chunk. Only where serve starts its own Ray "
+                          "(no --address); a joined cluster keeps the proxies it was started with")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
+    srv.add_argument("--request-timeline", type=Path, default=None, metavar="PATH",
+                     help="append one JSON line per request and stage (ingress, engine) to PATH: where its time to "
+                          "first token went (send an X-Request-Id to join the stages), and one per engine step; "
+                          "off by default")
+    t = srv.add_argument_group("tools and structured outputs (vLLM's flags)")
+    t.add_argument("--tool-call-parser", choices=_tool_parser_names(), default=None,
+                   help="the model's tool call format, parsed for tool_choice \"auto\": hermes (Hermes 2 Pro / 3, "
+                        "Qwen 2.5 / 3, <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3 JSON calls)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice \"auto\" (the default when a request has tools); needs --tool-call-parser")
+    t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="tool_choice \"none\": leave the tools out of the prompt")
+    t.add_argument("--max-tools", type=int, default=None, help="tools one request may carry (default: 128)")
+    t.add_argument("--structured-outputs-config", type=json_of(dict), default=None, metavar="JSON",
+                   help='defaults for JSON constraints: {"disable_any_whitespace": true, '
+                        '"disable_additional_properties": true}')
+    r = srv.add_argument_group("engine replicas: how many, how they scale, how they drain (Serve's settings)")
+    r.add_argument("--num-replicas", type=int, default=None, help="fixed engine replicas (default 1)")
+    r.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale the engine replicas between --min-replicas and --max-replicas")
+    r.add_argument("--max-replicas", type=int, default=None)
+    r.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="requests in flight per replica the autoscaler aims for (Serve's default: 2)")
+    r.add_argument("--autoscaling-config", type=json_of(dict), default=None, metavar="JSON",
+                   help="Serve's whole autoscaling_config, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4, "
+                        "\"upscale_delay_s\": 5}' (the flags above override its keys)")
+    r.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
+                   help="a replica leaving finishes its in-flight requests for up to this long (default 60)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None, help="per replica, in the engine at once")
+    r.add_argument("--max-queued-requests", type=int, default=None, help="waiting for a replica; beyond: 503")
+    r.add_argument("--request-router", choices=("prefix_aware", "power_of_two"), default=None,
+                   help="how the ingress picks a replica: prefix_aware (to the one that cached the prompt's prefix, "
+                        "within a load-imbalance guard) or power_of_two (Serve's); default: prefix_aware when the "
+                        "engine caches prefixes")
+    r.add_argument("--request-router-kwargs", type=json_of(dict), default=None, metavar="JSON",
+                   help='the prefix-aware router\'s settings, e.g. \'{"imbalanced_threshold": 16}\' (requests a '
+                        "replica may have in flight beyond the least busy one and still get its prefixes; default 8)")
+    r.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
+                   help="the HTTP ingress and the engine in one replica: no router, no gRPC hop and one process "
+                        "fewer; on by default with one engine replica and no --request-router*, refused with more. "
+                        "While that replica is replaced (it crashed) nothing answers HTTP; with --no-colocate the "
+                        "ingress answers 503")
+    add_engine_flags(srv)
+
+
 def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Runs the Serve app in the foreground until interrupted (Ctrl-C, SIGTERM)."""
     if args.chat_template is not None and not args.chat_template.is_file():
         ap.error(f"chat template {args.chat_template} does not exist")
     engine = engine_kwargs(args)
@@ -489,75 +319,69 @@ def _serve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def quiet_serve_env() -> dict[str, str]:
-    """Serve's own background work, slowed where one replica that never autoscales
-    does not need its pace: the controller's loop every 1 s instead of 0.1 s and the
-    replica's autoscaling metrics every 1 s instead of 0.1 s. On a small machine the
-    controller's loop took a visible share of a core beside the worker, and much less
-    after; a decode step shares the cores with it, so one stream's inter-token latency
-    and many streams' throughput both gained a little. Variables already set win."""
-    return {
-        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
-        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
-    }
+def _tool_parser_names() -> list[str]:
+    from deploy.openai.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
 
 
-def serving_priority_env() -> dict[str, str]:
-    """Ray's workers at niceness 0 instead of Ray's 15. The serving processes (the
-    engine and ingress replicas, Serve's controller and proxy) then get a core at once
-    when a request or a token arrives, instead of waiting behind the model worker's
-    threads at the same niceness; a CPU model worker raises its own threads back to
-    ``cpu_worker_niceness`` (15) when it loads, so it loses no more CPU than they use.
-    On 2 cores at 32 streams: +2% tokens/s, TTFT p99 8% shorter, goodput +3%, in three
-    alternating pairs (docs/performance.md). The variable already set wins."""
-    return {"RAY_worker_niceness": "0"}
+def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The tools and structured-outputs part of ``ServerArgs`` (bad values exit 2)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.max_tools is not None and args.max_tools < 1:
+        ap.error(f"--max-tools must be at least 1, got {args.max_tools}")
+    out: dict[str, Any] = {"tool_call_parser": args.tool_call_parser,
+                           "enable_auto_tool_choice": args.enable_auto_tool_choice,
+                           "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
+    if args.max_tools is not None:
+        out["max_tools"] = args.max_tools
+    if args.structured_outputs_config is not None:
+        from pydantic import ValidationError
+
+        from deploy.server_args import StructuredOutputsConfig
+
+        try:
+            StructuredOutputsConfig.model_validate(args.structured_outputs_config)
+        except ValidationError as exc:
+            ap.error(f"--structured-outputs-config: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+        out["structured_outputs_config"] = args.structured_outputs_config
+    return out
 
 
-def throughput_serve_env(direct_ingress: bool) -> dict[str, str]:
-    """Ray Serve's throughput-optimized mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``): the
-    ingress calls the engine replicas over gRPC instead of Ray actor calls, so a
-    streamed item is no longer an object in Ray's store, and each replica runs our
-    code and its handle's router on its main event loop instead of threads of their
-    own. On two cores the worker gets back what the two replicas stop using: the
-    main loops took them from 23% to 13% of a core at 32 streams (+8-11% tokens/s),
-    and gRPC took the ingress from 8.5% to 4.1% at 64 (+14%). A handle takes its
-    transport from the Serve of the process that makes it, when Serve is imported:
-    set these first (``_serve``; the ingress also follows its own process's mode,
-    ``deploy.ingress.over_cluster_transport``). Three of
-    the mode's other defaults are undone: replica logs still go to the replicas'
-    stderr (a driver that prints its workers' output, such as ``serve run``, shows
-    them; ``raydecode serve`` starts Ray with ``log_to_driver`` off, so they stay in
-    Ray's session logs), each request's access-log line is written when it ends, not a
-    thousand at a time (neither measured a cost: stderr off together with Ray's
-    metrics export gave +1.3% tokens/s in the median of three pairs, within noise),
-    and direct ingress stays whatever ``--direct-ingress`` says. gRPC's 4 MiB cap on
-    what a replica receives is raised to gRPC's own limit,
-    so a body the ingress accepts reaches the engine, which refuses an oversized
-    prompt with a 400 naming it, as it does over Ray calls. A cluster started by
-    ``ray start`` gets the same from these variables in its environment
-    (``deploy/cluster.yaml``)."""
-    return {
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_LOG_TO_STDERR": "1",
-        "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
-        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct_ingress else "0",
-    }
+def _replica_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The replica part of ``ServerArgs`` (bad values exit 2, naming the flag)."""
+    out: dict[str, Any] = {}
+    scaling = dict(args.autoscaling_config or {})
+    for flag in ("min_replicas", "max_replicas", "target_ongoing_requests"):
+        if getattr(args, flag) is not None:
+            scaling[flag] = getattr(args, flag)
+    if scaling:
+        if args.num_replicas is not None:
+            ap.error("--num-replicas fixes the replicas; --min-replicas/--max-replicas/--autoscaling-config scale "
+                     "them: give one or the other")
+        out["autoscaling_config"] = scaling
+    elif args.num_replicas is not None:
+        out["num_replicas"] = args.num_replicas
+    for flag in ("graceful_shutdown_timeout_s", "max_ongoing_requests", "max_queued_requests", "request_router",
+                 "request_router_kwargs"):
+        if getattr(args, flag) is not None:
+            out[flag] = getattr(args, flag)
+    # By default, one engine replica with no router asked for shares the ingress's replica.
+    out["colocate"] = args.colocate if args.colocate is not None else (
+        "autoscaling_config" not in out and out.get("num_replicas", 1) == 1
+        and "request_router" not in out and "request_router_kwargs" not in out)
+    from pydantic import ValidationError
 
+    from deploy.server_args import ServerArgs
 
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """The environment that makes Ray Serve's ingress replica serve HTTP on ``port``
-    itself (direct ingress). Serve deals replicas ports from a range; a range of this
-    one port gives it to the one replica. A replacement replica may take it back at
-    once (no quarantine: nothing else competes for it), and a stopping replica does
-    not hold requests open for a load balancer to notice it is going (there is none)."""
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # a half-open range
-        "RAY_SERVE_PORT_QUARANTINE_S": "0",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-    }
+    try:
+        ServerArgs.model_validate(out)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "replica flags"
+        ap.error(f"{where}: {str(first['msg']).removeprefix('Value error, ')}")
+    return out
 
 
 @contextlib.contextmanager
@@ -612,6 +436,20 @@ def _interrupt(signum: int, frame: Any) -> None:
 # -- bench ----------------------------------------------------------------------------
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    """``raydecode bench``: which scripts, from which folder, results where."""
+    bench = sub.add_parser("bench", help="run the benchmark scripts of a source checkout (its tests/bench)",
+                           description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("names", nargs="*", help="scripts to run (default: all), e.g. e2e worker_step")
+    bench.add_argument("--scripts", type=Path, default=None, metavar="DIR",
+                       help=f"the benchmark folder (a checkout's tests/bench; default: ${BENCH_SCRIPTS_ENV}, "
+                            "else the checkout this raydecode runs from)")
+    bench.add_argument("--quick", action="store_true", help="pass --quick to each script")
+    bench.add_argument("--out", type=Path, default=Path("bench-results"),
+                       help="folder for the scripts' results, results.md and throughput.png "
+                            "(default: %(default)s); running some scripts keeps the others' results")
+
+
 def bench_folder(ap: argparse.ArgumentParser, given: Path | None) -> Path:
     """The benchmark scripts' folder: ``--scripts``, else ``$RAYDECODE_BENCH_SCRIPTS``,
     else ``tests/bench`` of the checkout this package runs from. An installed package
@@ -636,6 +474,7 @@ def bench_folder(ap: argparse.ArgumentParser, given: Path | None) -> Path:
 
 
 def _bench(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Runs the benchmark scripts, then builds the results table (1 when any failed)."""
     folder = bench_folder(ap, args.scripts)
     scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if args.names:
