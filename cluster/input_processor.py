@@ -1,0 +1,107 @@
+"""InputProcessor: a request checked and built before it is queued (vLLM's input
+processor).
+
+Everything a client sends is checked here against the configuration and the model the
+workers loaded: the sampling parameters, the request id and priority, the prompt
+(tokenized, and its length against ``max_model_len``), ``max_tokens`` against the room
+left and against one worker's KV cache, a structured-output constraint (compiled, and
+cached, here). A request that passes is a ``Request`` with its parameters completed
+(``max_tokens``, the EOS ids, the bad words as token ids); one that does not is a
+``ValueError`` naming what is wrong, and nothing was queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.inputs import PromptBudget, PromptType, tokenize_prompt
+from cluster.request import Request
+from sampler.params import SamplingParams, check_text
+from worker import GrammarCompiler
+
+
+class InputProcessor:
+    """Checks and builds requests for an engine whose workers hold ``max_model_len``
+    tokens a sequence and ``max_kv_tokens`` tokens of KV cache each. Safe from any
+    thread (``AsyncLLM`` runs it off the event loop, since it tokenizes)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 max_model_len: int, max_kv_tokens: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.max_kv_tokens = max_kv_tokens
+        self.prompt_budget = PromptBudget.for_tokenizer(tokenizer, max_model_len - 1)
+        # Structured outputs: each constraint compiles once here (LRU), checked on entry.
+        self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self._order = itertools.count()
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validates and builds a request without queueing it."""
+        c = self.config
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        check_text("request_id", request_id)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and c.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority'")
+        if params.thinking_token_budget is not None and not (c.reasoning_start and c.reasoning_end):
+            raise ValueError(
+                "thinking_token_budget needs a server started with reasoning markers "
+                "(reasoning_start and reasoning_end)"
+            )
+        if params.n > c.max_n:
+            raise ValueError(f"n must be at most {c.max_n} (the server's max_n), got {params.n}")
+        for name in ("stop", "bad_words"):
+            entries = getattr(params, name) or ()
+            if len(entries) > c.max_stop_strings:
+                raise ValueError(
+                    f"{name} may hold at most {c.max_stop_strings} entries (the server's "
+                    f"max_stop_strings), got {len(entries)}"
+                )
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, self.prompt_budget)
+        params.verify(self.vocab_size, c.max_logprobs)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is too long: max_model_len is {limit}, "
+                "which must also leave room for one generated token"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
+                f"max_model_len is {limit} (at most {limit - len(ids)} new tokens)"
+            )
+        if len(ids) + max_tokens + c.num_spec_tokens > self.max_kv_tokens:
+            raise ValueError(
+                f"the request needs {len(ids) + max_tokens} KV tokens; a worker holds at most "
+                f"{self.max_kv_tokens} (kv_cache_tokens)"
+            )
+        if params.structured_outputs is not None:  # compiled (and cached) here: a bad one is a ValueError
+            self.grammar_compiler.validate(params.structured_outputs)
+        changes: dict[str, Any] = {"max_tokens": max_tokens}
+        if params.eos_token_ids is None:
+            changes["eos_token_ids"] = self.eos_token_ids
+        params = params.clone(**changes)
+        params.tokenize_bad_words(self.tokenizer)
+        return Request(
+            request_id, text, ids, params, self.tokenizer, limit, next(self._order),
+            priority=priority, arrival_time=arrival_time,
+        )
