@@ -10,8 +10,15 @@ Modules, one idea each:
   block_manager     one worker's KV blocks as the scheduler sees them (reference
                     counts, the prefix cache)
   output_processor  a worker's reply merged into its sequences
-  engine            LLMEngine: the loop over N Ray workers, fault tolerance
+  input_processor   a request checked against the configuration and built, before
+                    it is queued
+  engine            LLMEngine: the step loop over N Ray workers
+  step_stats        what the engine records of its steps (StepRecord, StepStats)
+  supervision       the engine's watch over its workers: liveness probes, failed
+                    steps, health
   worker_pool       the engine's worker actors, from placement to replacement
+  placement         what a worker's ranks ask Ray for and where they go (bundles,
+                    the Serve replica's reservation, the placement message)
   ray_session       an engine's hold on Ray, and stopping exactly what it started
   metrics           what the engine counts for monitoring (counters, histograms)
   llm, async_llm    the synchronous and the streaming client

@@ -7,7 +7,7 @@ steps). The pool
 - asks Ray for each worker's resources (one GPU each when the cluster has GPUs; else a
   token CPU reservation, so a second engine or a replacement always has room) and says
   within ``placement_report_s`` when a worker cannot be placed, with what it asked for
-  and what the cluster has;
+  and what the cluster has (the arithmetic of both is ``cluster/placement.py``);
 - sizes each worker's torch threads from the node it landed on: the node's cores split
   among this engine's workers there (``worker_num_threads`` overrides);
 - keeps ``num_workers`` workers: a worker that dies (or fails to load, or is never
@@ -34,15 +34,22 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from cluster.config import EngineConfig
+from cluster.placement import RankResources, placement_message, rank_placement, rank_resources, resources_bundle
+from cluster.placement import serve_bundles as serve_bundles  # imported from here by deploy/serve.py
+from cluster.scheduler import ScheduledStep, WorkerScheduler
 from worker import GroupRank, ModelLoadError, WorkerInfo, leader_rank
 from worker.transport import StepChannel, create_worker, decode_info
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger("raydecode")
 
@@ -52,8 +59,8 @@ class SentStep:
     """A step handed to a worker: its reply's ObjectRef (None on the step channel)
     and when it was sent."""
 
-    ref: Any
-    step: Any  # the ScheduledStep
+    ref: ray.ObjectRef | None
+    step: ScheduledStep
     sent_at: float  # perf_counter time it was handed to Ray
     sent_monotonic: float  # monotonic time, for the step timeout
 
@@ -62,14 +69,14 @@ class SentStep:
 class Rank:
     """One actor of a worker (a single worker is a group of one rank)."""
 
-    actor: Any
-    ready_ref: Any  # resolves (node id, cores) once Ray has started the actor
+    actor: ActorHandle
+    ready_ref: ray.ObjectRef  # resolves (node id, cores) once Ray has started the actor
     node_id: str | None = None
     node_cpus: int = 1
     node_memory: int = 0
     pid: int | None = None  # the actor's process, once placed
     num_threads: int | None = None
-    load_ref: Any = None  # while the model loads
+    load_ref: ray.ObjectRef | None = None  # while the model loads
     info: WorkerInfo | None = None  # once loaded
 
     @property
@@ -84,10 +91,10 @@ class WorkerSlot:
 
     index: int
     ranks: list[Rank]
-    resources: dict[str, Any]  # what each rank asks for
+    resources: RankResources  # what each rank asks for
     leader: int = 0  # the rank the engine steps (it samples and replies)
     lane: int = 0  # which of the engine's num_workers places this worker fills
-    placement_group: Any = None  # the group's, when the pool made one
+    placement_group: PlacementGroup | None = None  # the group's, when the pool made one
     created_at: float = field(default_factory=time.monotonic)
     placement_reported: bool = False
     info: WorkerInfo | None = None
@@ -97,15 +104,15 @@ class WorkerSlot:
     #: replies
     follower_channels: list[StepChannel] = field(default_factory=list)
     # The engine's, once live:
-    scheduler: Any = None
+    scheduler: WorkerScheduler | None = None
     #: steps sent and not yet merged, oldest first (two under async scheduling: the
     #: worker runs one while the next waits in its actor queue)
     pending: list[SentStep] = field(default_factory=list)
-    probe_refs: list[Any] = field(default_factory=list)  # liveness calls on every rank
+    probe_refs: list[ray.ObjectRef] = field(default_factory=list)  # liveness calls on every rank
     probed_at: float = 0.0
 
     @property
-    def actor(self) -> Any:
+    def actor(self) -> ActorHandle:
         """The actor the engine steps (the group's leader)."""
         return self.ranks[self.leader].actor
 
@@ -131,7 +138,7 @@ class WorkerSlot:
         return self.pending[0] if self.pending else None
 
     @property
-    def step(self) -> Any:
+    def step(self) -> ScheduledStep | None:
         """The oldest ScheduledStep in flight."""
         return self.pending[0].step if self.pending else None
 
@@ -139,7 +146,7 @@ class WorkerSlot:
     def placed(self) -> bool:
         return all(r.placed for r in self.ranks)
 
-    def waiting_refs(self) -> list[Any]:
+    def waiting_refs(self) -> list[ray.ObjectRef]:
         """What a starting worker waits on: its ranks' placement, then their loads."""
         return [r.ready_ref if not r.placed else r.load_ref for r in self.ranks
                 if not r.placed or r.load_ref is not None]
@@ -182,48 +189,18 @@ class WorkerPool:
 
     # -- starting -------------------------------------------------------------------
 
-    def _resources_per_rank(self) -> dict[str, Any]:
+    def _resources_per_rank(self) -> RankResources:
         return rank_resources(self.config, ray.cluster_resources().get("GPU", 0))
 
     def bundle(self) -> dict[str, float]:
         """One rank's placement-group bundle."""
         return resources_bundle(self._resources)
 
-    def _reserved_bundles(self) -> Any:
-        """The placement group this engine runs in when it holds the group's bundles
-        after its own first one (a Serve replica deployed with ``serve_bundles``), else
-        None: the pool then makes a placement group per worker."""
-        from ray.util import get_current_placement_group
-
-        pg = get_current_placement_group()
-        if pg is None or self.group_size == 1:
-            return None
-        specs = pg.bundle_specs
-        wanted = self.bundle()
-        need = 1 + self.config.num_workers * self.group_size
-        if len(specs) >= need and all(specs[i] == wanted for i in range(1, need)):
-            return pg
-        return None
-
     def _spawn(self) -> WorkerSlot:
         lanes = {s.lane for s in self.slots}
         lane = next(i for i in itertools.count() if i not in lanes)
         n = self.group_size
-        options: list[dict[str, Any]] = [{} for _ in range(n)]
-        pg = None
-        if n > 1:
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            reserved = self._reserved_bundles()
-            if reserved is not None:  # the Serve replica's own bundles, this lane's run of them
-                target, first = reserved, 1 + lane * n
-            else:
-                pg = target = placement_group([self.bundle() for _ in range(n)], strategy=self.config.placement_group_strategy)
-                first = 0
-            options = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                target, placement_group_bundle_index=first + i, placement_group_capture_child_tasks=False)}
-                for i in range(n)]
+        options, pg = rank_placement(self.config, self.bundle(), lane, n)
         ranks = []
         for i in range(n):
             # A group's ranks take their steps on step channels: they need the compute thread.
@@ -506,54 +483,12 @@ class WorkerPool:
     # -- reporting ------------------------------------------------------------------
 
     def _placement_message(self, slot: WorkerSlot, now: float) -> str:
-        asked = self.bundle()
-        try:
-            available, total = ray.available_resources(), ray.cluster_resources()
-        except Exception:  # the cluster itself is gone
-            available, total = {}, {}
-        keys = sorted(set(asked) | {"CPU", "GPU"})
-        n = len(slot.ranks)
-        what = f"it asks for {asked}" if n == 1 else (
-            f"its {n} ranks ask for {asked} each ({self.config.placement_group_strategy} placement group)")
-        return (
-            f"worker {slot.index} has not been placed for {now - slot.created_at:.0f} s: {what}; "
-            f"the cluster has {_pick(available, keys)} available of {_pick(total, keys)} "
-            "(free some, or lower worker_num_cpus / worker_num_gpus / worker_resources)"
-        )
-
-
-def rank_resources(config: EngineConfig, cluster_gpus: float) -> dict[str, Any]:
-    """What one rank asks Ray for: a GPU each when the cluster has GPUs
-    (``worker_num_gpus`` overrides); CPUs ``worker_num_cpus``, else one CPU per worker
-    shared among its ranks (a scheduling token, not a thread cap: a group of three fits
-    a two-core machine; threads are the node's cores split among the ranks on it)."""
-    gpus = config.worker_num_gpus
-    if gpus is None:
-        gpus = 1 if cluster_gpus >= 1 else 0
-    cpus = config.worker_num_cpus if config.worker_num_cpus is not None else round(1.0 / config.group_size, 4)
-    return {"num_gpus": gpus, "num_cpus": cpus, "resources": dict(config.worker_resources)}
-
-
-def resources_bundle(resources: dict[str, Any]) -> dict[str, float]:
-    """``rank_resources`` as a placement-group bundle."""
-    merged = {"CPU": resources["num_cpus"], "GPU": resources["num_gpus"], **resources["resources"]}
-    return {k: v for k, v in merged.items() if v}
-
-
-def serve_bundles(config: EngineConfig, cluster_gpus: float, replica_cpus: float = 0.001) -> list[dict[str, float]]:
-    """A Serve replica's ``placement_group_bundles`` for an engine of model-parallel
-    workers (Ray Serve LLM's shape): the replica's own bundle, then every rank's, so a
-    replica starts only once all its ranks can (the pool finds them there)."""
-    rank = resources_bundle(rank_resources(config, cluster_gpus))
-    return [{"CPU": replica_cpus}] + [dict(rank) for _ in range(config.num_workers * config.group_size)]
+        return placement_message(slot.index, len(slot.ranks), now - slot.created_at, self.bundle(),
+                                 self.config.placement_group_strategy)
 
 
 class _StartFailed(RuntimeError):
     """A worker failed to come up (a replacement is retried with backoff)."""
-
-
-def _pick(resources: dict[str, float], keys: list[str]) -> dict[str, float]:
-    return {k: resources.get(k, 0) for k in keys}
 
 
 def close_channel(slot: WorkerSlot) -> None:
@@ -578,7 +513,7 @@ def _stop(slot: WorkerSlot) -> None:
             pass
 
 
-def _kill(actor: Any) -> None:
+def _kill(actor: ActorHandle) -> None:
     try:
         ray.kill(actor, no_restart=True)
     except Exception:  # already gone, or Ray itself is
