@@ -53,7 +53,7 @@ def _serve_as_shipped() -> None:
     (gRPC between replicas): set before Ray starts or Serve is imported, so the Ray
     every test starts, and each Serve app on it, runs that way. Direct ingress stays
     off here: in-process apps are reached through Serve's proxy."""
-    from deploy.cli import throughput_serve_env
+    from deploy.serve_env import throughput_serve_env
 
     for key, value in throughput_serve_env(direct_ingress=False).items():
         os.environ.setdefault(key, value)

@@ -320,9 +320,10 @@ def _wait_running(timeout: float) -> float:
 def deployed(ray_local, tiny_model_path, tmp_path_factory):
     """The Ray-docs config, import_path swapped, deployed as ``serve run config.yaml``
     deploys one; yields (base URL, model A's path, model B's path)."""
-    from helpers import free_port
     from ray import serve
     from ray.serve._private.api import serve_start
+
+    from helpers import free_port
     from tiny_model import build_tiny_model
 
     tiny_b = str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), seed=1))  # other weights
