@@ -31,7 +31,7 @@ test: setup lint
 	$(PY) -m pytest -q --durations=25
 
 # The inner loop: the tests not marked slow, over both cores, property tests drawing a
-# fifth of their examples; a test over 5 s fails it, named (tests/conftest.py).
+# tenth of their examples; a test over 5 s fails it, named (tests/conftest.py).
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --tier fast
 

@@ -33,19 +33,20 @@ SLOW_FIXTURES = frozenset({
     "installed",
     "llama_1b",
 })
-#: markers of slow tests (the suite's own, and pytest-timeout-like long checks)
+#: markers that put a test in the slow tier
 SLOW_MARKERS = frozenset({"smollm2", "multinode", "statistical", "cuda", "slow"})
-#: modules whose tests start Ray, a server, a subprocess engine or a kernel build in
-#: their bodies, where no fixture says so
+#: modules whose tests start Ray, a server, a subprocess or a kernel build in their
+#: bodies, or compile, where no fixture says so
 SLOW_MODULES = frozenset({
     "test_cli", "test_colocated", "test_fake_cluster", "test_kernel_build_dir", "test_multinode",
     "test_serve_scaling", "test_served_chaos", "test_installed_package", "test_worker_niceness",
     "test_step_channel", "test_shm_allreduce", "test_smollm2_llm", "test_smollm2_worker",
     "test_long_prefix_cache", "test_cuda", "test_structured_output_llm", "test_bench_report",
+    "test_flex_attention",  # FlexAttention compiled on the CPU, a shape at a time
 })
 FAST_LIMIT_S = 5.0
 #: the fast tier's property tests draw this share of their CI examples (at least 10)
-FAST_EXAMPLES_SHARE = 0.2
+FAST_EXAMPLES_SHARE = 0.1
 
 
 def _serve_as_shipped() -> None:
@@ -86,6 +87,25 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.register_profile("fast", max_examples=20, deadline=None)
     if os.environ.get("RAYDECODE_TEST_TIER") == "fast":
         settings.load_profile("fast")
+        if hasattr(config, "workerinput"):
+            # One of xdist's workers, one per core: two OpenMP teams spinning on two
+            # cores would slow every kernel call several times over.
+            import torch
+
+            torch.set_num_threads(1)
+        if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):  # not xdist's controller
+            _warm_up()
+
+
+def _warm_up() -> None:
+    """The fast tier's guard times each test's own work: a process's one-time costs (the
+    model classes' imports, the built CPU kernels' load) are paid here, before the first
+    test, not by whichever test happens to come first."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (their lazy modules)
+
+    from worker.cpu import kernels
+
+    kernels.load()  # None where they cannot build: the tests take the torch paths
 
 
 def is_slow(item: pytest.Item) -> str | None:

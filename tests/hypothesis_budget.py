@@ -12,5 +12,5 @@ def examples(full: int) -> int:
     """``full`` examples, or in the fast tier its share (at least 10, at most ``full``)."""
     if os.environ.get("RAYDECODE_TEST_TIER") != "fast":
         return full
-    share = float(os.environ.get("RAYDECODE_FAST_EXAMPLES_SHARE", "0.2"))
+    share = float(os.environ.get("RAYDECODE_FAST_EXAMPLES_SHARE", "0.1"))
     return min(full, max(10, int(full * share)))
