@@ -17,7 +17,7 @@ import pytest
 import worker
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY_FREE_ROOMS = ("runner", "cpu", "gpu", "parallel")
+RAY_FREE_ROOMS = ("runner", "quant", "cpu", "gpu", "parallel")
 
 
 def _modules(package: str) -> list[str]:
@@ -33,7 +33,7 @@ def _run(code: str) -> str:
 
 def test_the_worker_has_its_rooms():
     rooms = sorted(p.name for p in (ROOT / "worker").iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert rooms == ["cpu", "gpu", "parallel", "runner", "transport"]
+    assert rooms == ["cpu", "gpu", "parallel", "quant", "runner", "transport"]
     assert (ROOT / "worker" / "cpu" / "csrc" / "paged_attention.cpp").exists()
     assert not list((ROOT / "worker").glob("*.cpp")), "C++ sources live in worker/cpu/csrc"
 

@@ -13,6 +13,8 @@ a worker decodes it, so one set of rules guards both sides; each failure is a
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from sampler.config import DEFAULT_MAX_LOGPROBS, LogprobsMode, SamplerConfig, check_logprobs_options
@@ -59,6 +61,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     #: let transformers run the model repository's own code
     trust_remote_code: bool = False
+    #: the weights' format, vLLM's option: None runs the checkpoint as it is (a GGUF in
+    #: its own quant types, a compressed-tensors checkpoint in its own, a float one in
+    #: float); "gguf" / "compressed-tensors" the same, checked against the checkpoint;
+    #: "int8" (per channel) and "int4" (groups of 128) quantize a float checkpoint at
+    #: load (raydecode's); "none" dequantizes a quantized checkpoint to ``dtype``
+    quantization: str | None = None
+    #: options of the on-the-fly schemes: int4's group_size and symmetric
+    quantization_config: dict[str, Any] | None = None
     # -- model parallelism (one replica as a group of Ray actors) -----------------
     #: tensor-parallel ranks per replica: each holds a slice of every layer's heads and
     #: MLP and of the vocabulary (two all-reduces per layer); the heads must divide
@@ -182,6 +192,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         require(self.ngram_min <= self.ngram_max, "ngram_min", f"<= ngram_max ({self.ngram_max})", self.ngram_min)
         require(is_int(self.seed), "seed", "an integer", self.seed)
         check_logprobs_options(self.max_logprobs, self.logprobs_mode)
+        check_quantization(self.quantization, self.quantization_config)
 
     @property
     def group_size(self) -> int:
@@ -210,3 +221,30 @@ def parse_partition(text: str | None) -> list[int] | None:
     if not parts or any(p < 1 for p in parts):
         raise ValueError(f"pipeline_layer_partition must be positive layer counts, got {text!r}")
     return parts
+
+
+#: ``quantization`` values raydecode runs (None: the checkpoint's own format)
+QUANTIZATION_METHODS = ("gguf", "compressed-tensors", "awq", "gptq", "int8", "int4", "none")
+#: values vLLM knows that raydecode does not run, refused by name before anything starts
+QUANTIZATION_NOT_RUN = (
+    "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4", "mxfp4", "mxfp6", "bitsandbytes", "gptq_marlin",
+    "gptq_marlin_24", "awq_marlin", "marlin", "gptq_bitblas", "bitblas", "deepspeedfp", "tpu_int8", "experts_int8",
+    "quark", "moe_wna16", "torchao", "inc", "auto-round", "petit_nvfp4", "hqq", "ptpc_fp8", "rtn",
+)
+
+
+def check_quantization(quantization: str | None, options: dict[str, Any] | None) -> None:
+    """``quantization`` names a method raydecode runs; the ones vLLM knows and raydecode
+    does not are refused by name, any other value with the accepted list."""
+    if quantization is not None:
+        require(isinstance(quantization, str), "quantization", f"one of {list(QUANTIZATION_METHODS)} or None",
+                quantization)
+        if quantization in QUANTIZATION_NOT_RUN:
+            raise ValueError(f"quantization {quantization!r} is not supported by raydecode (it runs "
+                             f"{', '.join(QUANTIZATION_METHODS)}, or None for the checkpoint's own format)")
+        require(quantization in QUANTIZATION_METHODS, "quantization",
+                f"one of {list(QUANTIZATION_METHODS)} or None", quantization)
+    if options is not None:
+        require(isinstance(options, dict), "quantization_config", "a mapping of options", options)
+        require(quantization in ("int4", "int8"), "quantization_config",
+                "only with quantization int4 or int8 (the on-the-fly schemes' options)", options)

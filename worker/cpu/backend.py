@@ -2,7 +2,8 @@
 
 In order: the fused decoder (Llama-shaped models: each layer's q/k/v and gate/up
 projections merged first), the packed linears (column panels, a library GEMM's copy
-for large calls, oneDNN's packing elsewhere), the paged-attention kernel. Each has an
+for large calls, oneDNN's packing elsewhere), the quantized linears on their kernel
+(``quant_linear.py``), the paged-attention kernel. Each has an
 ``EngineConfig`` switch (``cpu_fused_decoder``, ``cpu_packed_linear``,
 ``cpu_panel_linear``, ``cpu_gemm_from_rows``, ``cpu_attention_kernel``); each falls
 back to the torch path where the kernels cannot be built or do not apply.
@@ -18,6 +19,8 @@ from worker.cpu.fused_decoder import FusedDecoder, fused_decoder_applies, merge_
 from worker.cpu.kernels import load as load_kernels
 from worker.cpu.packed_linear import pack_linear_layers
 from worker.cpu.paged_attention import CpuPagedKernel
+from worker.cpu.quant_linear import quantize_linear_layers
+from worker.quant.linear import QuantizedLinear
 from worker.runner.backend import Backend
 
 if TYPE_CHECKING:
@@ -36,6 +39,9 @@ def prepare_cpu_backend(model: nn.Module, config: WorkerConfig, group: ParallelG
     if config.cpu_packed_linear:
         panel_ops = ops if config.cpu_panel_linear else None
         packed = pack_linear_layers(model, panel_ops, config.cpu_gemm_from_rows, config.cpu_gemm_library)
+    if ops is None and any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        ops = load_kernels()  # quantized layers run on the kernel whatever the float switches say
+    packed += quantize_linear_layers(model, ops, config.cpu_gemm_from_rows)
     kernel = CpuPagedKernel(ops) if ops is not None and config.cpu_attention_kernel else None
     return Backend(
         attention_kernel=kernel,

@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.cpu.packed_linear import LinearSlice, PackedLinear, PanelLinear, merge_linears, merged_parts
+from worker.cpu.quant_linear import QuantPanelLinear
+from worker.quant.linear import QuantizedLinear
 from worker.runner.attention import attend_cached
 
 if TYPE_CHECKING:
@@ -58,10 +60,12 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    if isinstance(layer, PanelLinear):
+    if isinstance(layer, (PanelLinear, QuantPanelLinear)):
         return layer.matmul(x if x.is_contiguous() else x.contiguous())
     if isinstance(layer, PackedLinear):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    if isinstance(layer, QuantizedLinear):
+        return layer(x)
     return F.linear(x, layer.weight, layer.bias)
 
 
@@ -237,7 +241,8 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(not isinstance(p, (nn.Linear, PackedLinear, PanelLinear, LinearSlice)) for p in projections):
+        linear_kinds = (nn.Linear, PackedLinear, PanelLinear, LinearSlice, QuantizedLinear, QuantPanelLinear)
+        if any(not isinstance(p, linear_kinds) for p in projections):
             return "a layer's projections are not plain linear layers"
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):

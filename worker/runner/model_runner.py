@@ -115,7 +115,8 @@ class ModelRunner:
     @staticmethod
     def _load_options(config: WorkerConfig) -> dict[str, Any]:
         return dict(device=config.device, dtype=config.dtype, attn_implementation=ATTENTION_NAME,
-                    max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
+                    max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
+                    quantization=config.quantization, quantization_config=config.quantization_config)
 
     @staticmethod
     def _checked(loaded: LoadedModel) -> LoadedModel:

@@ -1,0 +1,350 @@
+// Linear layers over quantized weights kept quantized, in column panels:
+//   y [M, N] = x [M, K] @ W^T (+ bias),  W[n, k] = scale[n, k / g] * code[n, k] + offset[n, k / g]
+// (worker/quant/weight.py's form). The panels (pack_quant_panels below):
+//   codes    4-bit: [P, K / 2, 16] uint8, byte (p, j, l) = code(16p + l, 2j) | code(16p + l, 2j + 1) << 4
+//            wider: [P, K, 16] uint8, one code a byte
+//   scales, offsets: [P, K / g, 16] float32
+// Each weight is dequantized in registers, fma(code, scale, offset): the value
+// QuantizedWeight.dequantize gives, rounded once. Each output is then one chain of FMAs
+// over k in order, as panel_linear computes over float panels: the result is the float
+// path's on the dequantized weights, bit for bit, whatever M, the thread count or a
+// row's neighbours (a row's result does not depend on the batch it is in).
+//
+// At decode sizes a call is bound by unpacking the codes (a few vector instructions per
+// 16 weights), not by reading them: a pass takes several panels (four at one or two
+// rows) so that their FMA chains overlap. Prefill-sized calls take the library GEMM on
+// dequantized weights instead (worker/cpu/quant_linear.py).
+//
+// Instruction sets: AVX-512F, AVX2 + FMA, picked at run time; plain loops elsewhere.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "work_split.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define RAYDECODE_X86 1
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t PANEL = 16;
+
+struct QArgs {
+  const float* x;         // [M, K]
+  const uint8_t* codes;   // panels
+  const float* scales;    // [P, K / g, 16]
+  const float* offsets;   // [P, K / g, 16]
+  const float* bias;      // [N] or null
+  float* y;               // [M, N]
+  int64_t M, K, N, g;
+  bool packed;            // 4-bit codes, two a byte
+  int64_t panel_code_bytes() const { return (packed ? K / 2 : K) * PANEL; }
+  int64_t panel_groups() const { return (K / g) * PANEL; }
+};
+
+#ifdef RAYDECODE_X86
+// Rows m0 .. m0 + MR of panels p .. p + NP (np <= NP of them real).
+template <int MR, int NP>
+__attribute__((target("avx512f,fma"))) void qblock_avx512(const QArgs& a, int64_t m0, int64_t p, int np) {
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int i = 0; i < NP; ++i) acc[m][i] = _mm512_setzero_ps();
+  const int64_t K = a.K, g = a.g;
+  const float* x = a.x + m0 * K;
+  const uint8_t* codes[NP];
+  const float* sc[NP];
+  const float* of[NP];
+  for (int i = 0; i < NP; ++i) {
+    const int64_t q = p + std::min(i, np - 1);  // a missing panel repeats the last (its result is dropped)
+    codes[i] = a.codes + q * a.panel_code_bytes();
+    sc[i] = a.scales + q * a.panel_groups();
+    of[i] = a.offsets + q * a.panel_groups();
+  }
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    __m512 s[NP], o[NP];
+    for (int i = 0; i < NP; ++i) {
+      s[i] = _mm512_loadu_ps(sc[i] + (k0 / g) * PANEL);
+      o[i] = _mm512_loadu_ps(of[i] + (k0 / g) * PANEL);
+    }
+    if (a.packed) {
+      for (int64_t k = k0; k < k0 + g; k += 2) {
+        __m512 w0[NP], w1[NP];
+        for (int i = 0; i < NP; ++i) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[i] + (k / 2) * PANEL)));
+          w0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s[i], o[i]);
+          w1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[i], o[i]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m512 x0 = _mm512_set1_ps(x[m * K + k]);
+          const __m512 x1 = _mm512_set1_ps(x[m * K + k + 1]);
+          for (int i = 0; i < NP; ++i) acc[m][i] = _mm512_fmadd_ps(x0, w0[i], acc[m][i]);
+          for (int i = 0; i < NP; ++i) acc[m][i] = _mm512_fmadd_ps(x1, w1[i], acc[m][i]);
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + g; ++k) {
+        __m512 w[NP];
+        for (int i = 0; i < NP; ++i) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[i] + k * PANEL)));
+          w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[i], o[i]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+          for (int i = 0; i < NP; ++i) acc[m][i] = _mm512_fmadd_ps(xv, w[i], acc[m][i]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < np; ++i) {
+    const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + (p + i) * PANEL) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + (p + i) * PANEL, _mm512_add_ps(acc[m][i], b));
+  }
+}
+
+// Rows m0 .. m0 + MR of panel p (16 columns: two 8-lane halves).
+template <int MR>
+__attribute__((target("avx2,fma"))) void qblock_avx2(const QArgs& a, int64_t m0, int64_t p) {
+  __m256 lo[MR], hi[MR];
+  for (int m = 0; m < MR; ++m) {
+    lo[m] = _mm256_setzero_ps();
+    hi[m] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K, g = a.g;
+  const float* x = a.x + m0 * K;
+  const uint8_t* codes = a.codes + p * a.panel_code_bytes();
+  const float* sc = a.scales + p * a.panel_groups();
+  const float* of = a.offsets + p * a.panel_groups();
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    const float* sg = sc + (k0 / g) * PANEL;
+    const float* og = of + (k0 / g) * PANEL;
+    const __m256 sl = _mm256_loadu_ps(sg), sh = _mm256_loadu_ps(sg + 8);
+    const __m256 ol = _mm256_loadu_ps(og), oh = _mm256_loadu_ps(og + 8);
+    const int64_t step = a.packed ? 2 : 1;
+    for (int64_t k = k0; k < k0 + g; k += step) {
+      const uint8_t* c = codes + (a.packed ? k / 2 : k) * PANEL;
+      const __m256i vl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+      const __m256i vh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)));
+      if (a.packed) {
+        const __m256 wl0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(vl, low4)), sl, ol);
+        const __m256 wh0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(vh, low4)), sh, oh);
+        const __m256 wl1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(vl, 4)), sl, ol);
+        const __m256 wh1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(vh, 4)), sh, oh);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const __m256 x0 = _mm256_broadcast_ss(x + m * K + k);
+          const __m256 x1 = _mm256_broadcast_ss(x + m * K + k + 1);
+          lo[m] = _mm256_fmadd_ps(x0, wl0, lo[m]);
+          hi[m] = _mm256_fmadd_ps(x0, wh0, hi[m]);
+          lo[m] = _mm256_fmadd_ps(x1, wl1, lo[m]);
+          hi[m] = _mm256_fmadd_ps(x1, wh1, hi[m]);
+        }
+      } else {
+        const __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vl), sl, ol);
+        const __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vh), sh, oh);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+          lo[m] = _mm256_fmadd_ps(xv, wl, lo[m]);
+          hi[m] = _mm256_fmadd_ps(xv, wh, hi[m]);
+        }
+      }
+    }
+  }
+  const float* b = a.bias ? a.bias + p * PANEL : nullptr;
+  const __m256 bl = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
+  const __m256 bh = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    float* y = a.y + (m0 + m) * a.N + p * PANEL;
+    _mm256_storeu_ps(y, _mm256_add_ps(lo[m], bl));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(hi[m], bh));
+  }
+}
+
+using QAvx512Block = void (*)(const QArgs&, int64_t, int64_t, int);
+using QAvx2Block = void (*)(const QArgs&, int64_t, int64_t);
+// Few rows: four panels a pass (their FMA chains overlap); more rows: two panels and
+// blocks of up to 8 rows (16 accumulators, the weights and scales in the other registers).
+constexpr int WIDE_PANELS = 4, WIDE_ROWS = 2;
+constexpr int AVX512_ROWS = 8;
+constexpr int AVX2_ROWS = 4;
+const QAvx512Block WIDE_BLOCKS[WIDE_ROWS + 1] = {nullptr, qblock_avx512<1, WIDE_PANELS>, qblock_avx512<2, WIDE_PANELS>};
+const QAvx512Block AVX512_BLOCKS[AVX512_ROWS + 1] = {
+    nullptr, qblock_avx512<1, 2>, qblock_avx512<2, 2>, qblock_avx512<3, 2>, qblock_avx512<4, 2>,
+    qblock_avx512<5, 2>, qblock_avx512<6, 2>, qblock_avx512<7, 2>, qblock_avx512<8, 2>};
+const QAvx2Block AVX2_BLOCKS[AVX2_ROWS + 1] = {nullptr, qblock_avx2<1>, qblock_avx2<2>, qblock_avx2<3>, qblock_avx2<4>};
+#endif
+
+// Rows m0 .. m0 + rows of panel p, plain loops (one FMA chain per output, in k order).
+void qblock_plain(const QArgs& a, int64_t m0, int64_t rows, int64_t p) {
+  const int64_t K = a.K, g = a.g;
+  const uint8_t* codes = a.codes + p * a.panel_code_bytes();
+  const float* sc = a.scales + p * a.panel_groups();
+  const float* of = a.offsets + p * a.panel_groups();
+  for (int64_t m = m0; m < m0 + rows; ++m) {
+    float acc[PANEL] = {};
+    const float* x = a.x + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t j = 0; j < PANEL; ++j) {
+        const uint8_t byte = a.packed ? codes[(k / 2) * PANEL + j] : codes[k * PANEL + j];
+        const int code = a.packed ? ((k & 1) ? byte >> 4 : byte & 0x0F) : byte;
+        const float w = std::fma(static_cast<float>(code), sc[(k / g) * PANEL + j], of[(k / g) * PANEL + j]);
+        acc[j] = std::fma(x[k], w, acc[j]);
+      }
+    }
+    float* y = a.y + m * a.N + p * PANEL;
+    for (int64_t j = 0; j < PANEL; ++j) y[j] = acc[j] + (a.bias ? a.bias[p * PANEL + j] : 0.0f);
+  }
+}
+
+enum class Isa { kAvx512, kAvx2, kPlain };
+
+Isa best_isa() {
+#ifdef RAYDECODE_X86
+  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
+                         : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? Isa::kAvx2
+                                                                                             : Isa::kPlain;
+  return isa;
+#else
+  return Isa::kPlain;
+#endif
+}
+
+int64_t panels_per_unit(Isa isa, int64_t M) {
+  if (isa != Isa::kAvx512) return 1;
+  return M <= 2 ? 4 : 2;
+}
+
+void run_unit(const QArgs& a, Isa isa, int64_t unit, int64_t per) {
+  const int64_t P = a.N / PANEL;
+  const int64_t p = unit * per;
+  const int np = static_cast<int>(std::min<int64_t>(per, P - p));
+  switch (isa) {
+#ifdef RAYDECODE_X86
+    case Isa::kAvx512:
+      if (per == WIDE_PANELS) {
+        WIDE_BLOCKS[a.M](a, 0, p, np);
+        return;
+      }
+      for (int64_t m0 = 0; m0 < a.M; m0 += AVX512_ROWS)
+        AVX512_BLOCKS[std::min<int64_t>(AVX512_ROWS, a.M - m0)](a, m0, p, np);
+      return;
+    case Isa::kAvx2:
+      for (int64_t m0 = 0; m0 < a.M; m0 += AVX2_ROWS) AVX2_BLOCKS[std::min<int64_t>(AVX2_ROWS, a.M - m0)](a, m0, p);
+      return;
+#endif
+    default:
+      qblock_plain(a, 0, a.M, p);
+  }
+}
+
+std::vector<std::string> quant_isas() {
+  std::vector<std::string> out;
+#ifdef RAYDECODE_X86
+  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
+#endif
+  out.push_back("plain");
+  return out;
+}
+
+void check(const torch::Tensor& t, const char* name, at::ScalarType type, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous() && t.dim() == dims, "quant_linear: ",
+              name, " must be a contiguous ", c10::toString(type), " CPU tensor of ", dims, " dimensions");
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W^T (+ bias), W in quantized panels (pack_quant_panels). ``isa``
+// forces an instruction set this CPU has ("avx512", "avx2", "plain": tests); "" picks.
+void quant_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                  const torch::Tensor& offsets, const c10::optional<torch::Tensor>& bias, int64_t group_size,
+                  const std::string& isa_name) {
+  check(y, "y", torch::kFloat32, 2);
+  check(x, "x", torch::kFloat32, 2);
+  check(codes, "codes", torch::kUInt8, 3);
+  check(scales, "scales", torch::kFloat32, 3);
+  check(offsets, "offsets", torch::kFloat32, 3);
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = P * PANEL, g = group_size;
+  TORCH_CHECK(g > 0 && K % g == 0, "quant_linear: K (", K, ") must be whole groups of ", g);
+  const bool packed = codes.size(1) * 2 == K;
+  TORCH_CHECK((packed || codes.size(1) == K) && codes.size(2) == PANEL,
+              "quant_linear: codes must be [N / 16, K / 2, 16] (4-bit) or [N / 16, K, 16]");
+  TORCH_CHECK(!packed || g % 2 == 0, "quant_linear: 4-bit codes need even groups");
+  TORCH_CHECK(scales.sizes() == offsets.sizes() && scales.size(0) == P && scales.size(1) == K / g &&
+                  scales.size(2) == PANEL,
+              "quant_linear: scales and offsets must be [N / 16, K / g, 16]");
+  TORCH_CHECK(y.size(0) == M && y.size(1) == N, "quant_linear: y must be [M, N]");
+  if (bias.has_value()) {
+    check(*bias, "bias", torch::kFloat32, 1);
+    TORCH_CHECK(bias->size(0) == N, "quant_linear: bias must have N entries");
+  }
+  if (M == 0 || N == 0) return;
+  const QArgs a{x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(),
+                bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, g, packed};
+  Isa isa = best_isa();
+  if (!isa_name.empty()) {
+    const auto have = quant_isas();
+    TORCH_CHECK(std::find(have.begin(), have.end(), isa_name) != have.end(), "quant_linear: this CPU has no ", isa_name);
+    isa = isa_name == "avx512" ? Isa::kAvx512 : isa_name == "avx2" ? Isa::kAvx2 : Isa::kPlain;
+  }
+  const int64_t per = panels_per_unit(isa, M);
+  const int64_t units = (P + per - 1) / per;
+  raydecode::StealingSplit(units, at::get_num_threads()).run([&](int64_t unit, int64_t) { run_unit(a, isa, unit, per); });
+}
+
+// codes [N, K / 2] (4-bit, two a byte) or [N, K] -> [N / 16, K / 2 | K, 16]; scales or
+// offsets [N, K / g] -> [N / 16, K / g, 16].
+torch::Tensor pack_quant_panels(const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2, "pack_quant_panels: a 2-dimensional CPU tensor");
+  const int64_t N = t.size(0), W = t.size(1);
+  TORCH_CHECK(N % PANEL == 0, "pack_quant_panels: the output features (", N, ") must be a multiple of 16");
+  return t.contiguous().view({N / PANEL, PANEL, W}).transpose(1, 2).contiguous();
+}
+
+// The float32 weights [N, K] of panels [p0, p1) (a chunk a library GEMM runs on).
+torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::Tensor& scales,
+                                      const torch::Tensor& offsets, int64_t group_size, int64_t p0, int64_t p1) {
+  check(codes, "codes", torch::kUInt8, 3);
+  const int64_t P = codes.size(0), g = group_size, K = scales.size(1) * g;
+  TORCH_CHECK(0 <= p0 && p0 <= p1 && p1 <= P, "dequantize_quant_panels: panels out of range");
+  const bool packed = codes.size(1) * 2 == K;
+  auto out = torch::empty({(p1 - p0) * PANEL, K}, torch::kFloat32);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const float* of = offsets.data_ptr<float>();
+  float* w = out.data_ptr<float>();
+  const int64_t cb = codes.size(1) * PANEL, gb = (K / g) * PANEL;
+  at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t j = 0; j < PANEL; ++j) {
+          const uint8_t byte = packed ? c[p * cb + (k / 2) * PANEL + j] : c[p * cb + k * PANEL + j];
+          const int code = packed ? ((k & 1) ? byte >> 4 : byte & 0x0F) : byte;
+          w[((p - p0) * PANEL + j) * K + k] =
+              std::fma(static_cast<float>(code), sc[p * gb + (k / g) * PANEL + j], of[p * gb + (k / g) * PANEL + j]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+void register_quant_linear(pybind11::module_& m) {
+  m.def("quant_linear", &quant_linear, "linear over quantized panel weights, dequantized in registers (CPU)",
+        pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("offsets"), pybind11::arg("bias"), pybind11::arg("group_size"), pybind11::arg("isa") = "");
+  m.def("quant_isas", &quant_isas, "the instruction sets quant_linear can use here, best first");
+  m.def("pack_quant_panels", &pack_quant_panels, "[N, W] -> [N / 16, W, 16]");
+  m.def("dequantize_quant_panels", &dequantize_quant_panels, "float32 [N', K] of panels [p0, p1)");
+}

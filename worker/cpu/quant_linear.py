@@ -1,0 +1,105 @@
+"""Quantized linear layers on the CPU kernel (``csrc/quant_linear.cpp``).
+
+``QuantPanelLinear`` takes a ``QuantizedLinear``'s weight into column panels once at load
+(codes, scales and offsets of each run of 16 outputs together) and runs calls of fewer
+than ``gemm_from_rows`` rows on the kernel, which dequantizes each weight in registers:
+the weights are read quantized, once per call, and the result is the float panel
+linear's on the dequantized weights, bit for bit. Calls of ``gemm_from_rows`` rows or more
+(prefill chunks, bound by arithmetic rather than by the weights) run a library GEMM on
+the dequantized weights a slice of the outputs at a time.
+
+``quantize_linear_layers`` swaps every ``QuantizedLinear`` of a model for one of these
+where the kernel applies (output sizes a multiple of 16, groups of an even size).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.quant.linear import SLICE_ELEMENTS, QuantizedLinear
+from worker.quant.weight import QuantizedWeight
+
+logger = logging.getLogger("raydecode")
+
+
+class QuantPanelLinear(nn.Module):
+    """A ``QuantizedLinear`` whose weight lives in the CPU kernel's panels."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: Any, gemm_from_rows: int = 0) -> None:
+        super().__init__()
+        self.ops = ops
+        self.quantized = weight  # kept for sharding and merging; its tensors are the panels' sources
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.group_size = weight.group_size
+        self.codes = ops.pack_quant_panels(weight.codes)
+        self.scales = ops.pack_quant_panels(weight.scales)
+        self.offsets = ops.pack_quant_panels(weight.offsets)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.gemm_from_rows = gemm_from_rows
+
+    @classmethod
+    def of(cls, linear: QuantizedLinear, ops: Any, gemm_from_rows: int = 0) -> QuantPanelLinear:
+        return cls(linear.quantized, linear.bias, ops, gemm_from_rows)
+
+    @staticmethod
+    def applies(weight: QuantizedWeight, ops: Any | None) -> bool:
+        return (ops is not None and hasattr(ops, "quant_linear") and weight.out_features % 16 == 0
+                and (not weight.packed or weight.group_size % 2 == 0))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.empty(self.out_features, self.in_features, dtype=torch.float32, device="meta")
+
+    def matmul(self, rows: torch.Tensor, isa: str = "") -> torch.Tensor:
+        """``rows`` [M, in] (contiguous float32) @ W^T + bias."""
+        if self.gemm_from_rows and rows.shape[0] >= self.gemm_from_rows:
+            return self._library_gemm(rows)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        self.ops.quant_linear(out, rows, self.codes, self.scales, self.offsets, self.bias, self.group_size, isa)
+        return out
+
+    def _library_gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """A prefill-sized call: the dequantized weights, a slice of panels at a time,
+        through ``F.linear`` (the library GEMM)."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        panels = self.codes.shape[0]
+        step = max(1, SLICE_ELEMENTS // (16 * self.in_features))
+        for p0 in range(0, panels, step):
+            p1 = min(p0 + step, panels)
+            w = self.ops.dequantize_quant_panels(self.codes, self.scales, self.offsets, self.group_size, p0, p1)
+            bias = None if self.bias is None else self.bias[p0 * 16 : p1 * 16]
+            out[:, p0 * 16 : p1 * 16] = F.linear(rows, w, bias)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        return self.matmul(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.quantized.format}, panels"
+
+
+def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) -> int:
+    """Swaps every ``QuantizedLinear`` of ``model`` the kernel can run for a
+    ``QuantPanelLinear`` (a layer shared by several parents, once); returns how many.
+    The output embedding keeps the kernel at every size (only sampled rows reach it)."""
+    if ops is None or not hasattr(ops, "quant_linear"):
+        return 0
+    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    swapped: dict[int, QuantPanelLinear] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, QuantizedLinear) or not QuantPanelLinear.applies(child.quantized, ops):
+                continue
+            if id(child) not in swapped:
+                rows = 0 if child is output_embedding else gemm_from_rows
+                swapped[id(child)] = QuantPanelLinear.of(child, ops, rows)
+            setattr(parent, name, swapped[id(child)])
+    return len(swapped)

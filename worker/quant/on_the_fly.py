@@ -1,0 +1,107 @@
+"""Quantizing a float checkpoint's linear layers at load: ``int8`` (per output channel,
+symmetric) and ``int4`` (groups along the inputs, symmetric by default).
+
+- int8: ``scale = max |w| / 127`` per output row, codes ``round(w / scale)`` in
+  ``[-127, 127]`` (stored shifted by 128, the shift in the offset).
+- int4: per group of ``group_size`` inputs (128 by default), symmetric ``scale = max |w|
+  / 7``, codes ``round(w / scale)`` in ``[-8, 7]``; asymmetric (``symmetric: False``)
+  ``scale = (max - min) / 15`` and an integer zero point, codes in ``[0, 15]``. Where the
+  group size does not divide a layer's inputs (SmolLM2's 576 by 128), the layer takes the
+  largest even divisor of its inputs below it, and the load report says so.
+
+Scales are rounded to half precision, as the formats that store them do, which keeps
+``scale * code`` exact in float32 (``QuantizedWeight``). The decoder layers' linear layers
+are quantized; embeddings and the output layer stay as they are (as vLLM's on-the-fly
+quantization leaves them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.quant.linear import QuantizedLinear
+from worker.quant.weight import QuantizedWeight
+
+DEFAULT_INT4_GROUP = 128
+#: ``quantization_config`` keys of the on-the-fly schemes
+INT4_OPTIONS = {"group_size", "symmetric"}
+
+
+def _half_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Scales rounded to half precision (a zero scale, from an all-zero group, stays
+    representable: any code times it is zero)."""
+    return scale.clamp(min=2.0**-24).to(torch.float16).float()
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    w = weight.detach().float()
+    scale = _half_scales(w.abs().amax(dim=1, keepdim=True) / 127)
+    q = torch.clamp(torch.round(w / scale), -127, 127)
+    return QuantizedWeight.from_codes((q + 128).to(torch.uint8), scale, -128 * scale, 8, w.shape[1], "int8 per-channel")
+
+
+def int4_group(in_features: int, group_size: int) -> int:
+    """``group_size``, or the largest even divisor of ``in_features`` below it."""
+    if in_features % group_size == 0:
+        return group_size
+    return max(g for g in range(2, group_size, 2) if in_features % g == 0)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP, symmetric: bool = True) -> QuantizedWeight:
+    w = weight.detach().float()
+    n, k = w.shape
+    g = int4_group(k, group_size)
+    groups = w.reshape(n, k // g, g)
+    if symmetric:
+        scale = _half_scales(groups.abs().amax(dim=2) / 7)
+        q = torch.clamp(torch.round(groups / scale[..., None]), -8, 7) + 8
+        offset = -8 * scale
+    else:
+        lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+        scale = _half_scales((hi - lo) / 15)
+        zero = torch.clamp(torch.round(-lo / scale), 0, 15)
+        q = torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 15)
+        offset = -zero * scale
+    name = f"int4 g{g} {'sym' if symmetric else 'asym'}"
+    return QuantizedWeight.from_codes(q.reshape(n, k).to(torch.uint8), scale, offset, 4, g, name)
+
+
+def check_options(scheme: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The validated ``quantization_config`` of an on-the-fly scheme; ``ValueError``
+    naming a key or value it does not take."""
+    options = dict(options or {})
+    allowed = INT4_OPTIONS if scheme == "int4" else set()
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"quantization_config: {unknown} are not options of {scheme} "
+                         f"(it takes {sorted(allowed) or 'none'})")
+    if "group_size" in options:
+        g = options["group_size"]
+        if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+            raise ValueError(f"quantization_config: group_size must be an even integer >= 2, got {g!r}")
+    if "symmetric" in options and not isinstance(options["symmetric"], bool):
+        raise ValueError(f"quantization_config: symmetric must be true or false, got {options['symmetric']!r}")
+    return options
+
+
+def quantize_model(model: nn.Module, scheme: str, options: dict[str, Any] | None = None) -> dict[str, int]:
+    """Replaces the linear layers of ``model``'s decoder layers with quantized ones;
+    returns how many of each format."""
+    options = check_options(scheme, options)
+    skip = {id(model.get_output_embeddings())} if hasattr(model, "get_output_embeddings") else set()
+    formats: dict[str, int] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or id(child) in skip:
+                continue
+            if scheme == "int8":
+                q = quantize_int8(child.weight)
+            else:
+                q = quantize_int4(child.weight, options.get("group_size", DEFAULT_INT4_GROUP),
+                                  options.get("symmetric", True))
+            setattr(parent, name, QuantizedLinear(q, child.bias))
+            formats[q.format] = formats.get(q.format, 0) + 1
+    return formats
