@@ -26,6 +26,7 @@ FLAG_NAMES = {
     "num_spec_tokens": ["--spec-tokens", "--num-spec-tokens"],
     "tensor_parallel_size": ["--tensor-parallel-size", "-tp"],
     "pipeline_parallel_size": ["--pipeline-parallel-size", "-pp"],
+    "quantization": ["--quantization", "-q"],
 }
 
 

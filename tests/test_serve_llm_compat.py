@@ -150,7 +150,7 @@ def test_vllm_names_raydecode_shares_or_renames():
 
 REFUSED = [
     # engine_kwargs: vLLM-only, unknown, LoRA, prefill/decode disaggregation, bad types
-    (llm(engine_kwargs={"quantization": "awq"}), r"engine_kwargs\.quantization: .*vLLM-only"),
+    (llm(engine_kwargs={"quantization": "fp8"}), r"engine_kwargs: quantization 'fp8' is not supported by raydecode"),
     (llm(engine_kwargs={"reasoning_parser": "deepseek_r1"}), r"engine_kwargs\.reasoning_parser: .*vLLM-only"),
     (llm(engine_kwargs={"max_modle_len": 256}), r"engine_kwargs\.max_modle_len: unknown engine argument"),
     (llm(engine_kwargs={"enable_lora": True}), r"engine_kwargs\.enable_lora: LoRA adapters are not supported"),
@@ -292,9 +292,9 @@ def test_sample_config_is_ray_serve_llm_shaped_and_builds():
     args = LLMServingArgs.model_validate(app["args"])
     assert [c.model_id for c in args.llm_configs] == ["smollm2-135m", "smollm2-360m"]
     build_openai_app(app["args"])  # binds the deployments; nothing starts until serve.run
-    with pytest.raises(ValueError, match="engine_kwargs.quantization"):
+    with pytest.raises(ValueError, match="engine_kwargs: quantization 'bitsandbytes' is not supported"):
         broken = yaml.safe_load((DEPLOY / "serve-llm.yaml").read_text())["applications"][0]["args"]
-        broken["llm_configs"][0]["engine_kwargs"]["quantization"] = "awq"
+        broken["llm_configs"][0]["engine_kwargs"]["quantization"] = "bitsandbytes"
         build_openai_app(broken)
 
 

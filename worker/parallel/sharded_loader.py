@@ -301,7 +301,12 @@ class QuantizedReader:
         value = self._tensors[key]
         if cut is None:
             return value
-        return cut(_QuantizedSlicer(value) if isinstance(value, QuantizedWeight) else value)
+        if not isinstance(value, QuantizedWeight):
+            return cut(value)
+        try:
+            return cut(_QuantizedSlicer(value))
+        except ValueError as exc:
+            raise ModelLoadError(f"{key}: {exc}") from None
 
     def close(self) -> None:
         self._tensors = {}
@@ -322,7 +327,8 @@ class _QuantizedSlicer:
         try:
             return self.weight.input_columns(cols.start or 0, cols.stop)
         except ValueError as exc:
-            raise ModelLoadError(f"tensor parallelism cuts this layer's inputs across quantization groups: {exc}") from None
+            raise ValueError(f"tensor parallelism would cut this layer's inputs across its quantization groups "
+                             f"({exc})") from None
 
 
 def _place_quantized(model: nn.Module, key: str, weight: QuantizedWeight, name: str) -> None:

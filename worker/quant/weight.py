@@ -26,6 +26,7 @@ format's own dequantizer (the ``gguf`` package's, for GGUF).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -94,12 +95,23 @@ class QuantizedWeight:
         return out
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
-        """``W[rows]`` in float32 (exact: see the module's docstring)."""
-        codes = self.unpacked_codes(rows).float()
+        """``W[rows]`` in float32: ``scale * code + offset`` rounded once, as the kernel's
+        fused multiply-add rounds it. Where ``scale * code`` is exact in float32 (every
+        format read here but a checkpoint's full-precision scales) float32 arithmetic
+        gives that; the rest goes through float64, where the product is exact."""
         g = self.group_size
-        scales = self.scales[rows].repeat_interleave(g, dim=1)
-        offsets = self.offsets[rows].repeat_interleave(g, dim=1)
-        return codes.mul_(scales).add_(offsets)
+        dtype = torch.float32 if self.exact_in_float32 else torch.float64
+        codes = self.unpacked_codes(rows).to(dtype)
+        scales = self.scales[rows].to(dtype).repeat_interleave(g, dim=1)
+        offsets = self.offsets[rows].to(dtype).repeat_interleave(g, dim=1)
+        return codes.mul_(scales).add_(offsets).float()
+
+    @functools.cached_property
+    def exact_in_float32(self) -> bool:
+        """Whether every scale carries at most 24 - ``bits`` significant bits (then
+        ``scale * code`` is exact in float32)."""
+        mantissa = self.scales.view(torch.int32) & 0x7FFFFF
+        return bool(((mantissa & ((1 << self.bits) - 1)) == 0).all())
 
     def output_rows(self, start: int, stop: int) -> QuantizedWeight:
         """Outputs ``[start, stop)`` (a tensor-parallel shard of a column-parallel layer,

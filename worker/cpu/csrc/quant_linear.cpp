@@ -67,7 +67,9 @@ __attribute__((target("avx512f,fma"))) void qblock_avx512(const QArgs& a, int64_
     sc[i] = a.scales + q * a.panel_groups();
     of[i] = a.offsets + q * a.panel_groups();
   }
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  // float(code) of a 4-bit code by table: vpermps reads only an index's low 4 bits, so
+  // the low nibble needs no mask (and the table's entries are exact: the same values).
+  const __m512 nibble = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     __m512 s[NP], o[NP];
     for (int i = 0; i < NP; ++i) {
@@ -79,8 +81,8 @@ __attribute__((target("avx512f,fma"))) void qblock_avx512(const QArgs& a, int64_
         __m512 w0[NP], w1[NP];
         for (int i = 0; i < NP; ++i) {
           const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[i] + (k / 2) * PANEL)));
-          w0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s[i], o[i]);
-          w1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[i], o[i]);
+          w0[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, nibble), s[i], o[i]);
+          w1[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibble), s[i], o[i]);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
