@@ -89,6 +89,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     num_spec_tokens: int
     num_kv_blocks: int = 0  # the KV pool: blocks of kv_block_size tokens
     kv_block_size: int = 16
+    #: layers whose weights are kept quantized, by format ("gguf Q4_1": 210, ...); empty: float
+    quantized: dict[str, int] = {}
+    #: bytes of the model's weights as loaded (quantized ones as stored)
+    weight_bytes: int = 0
 
 
 # -- driver -> worker ------------------------------------------------------------------

@@ -33,7 +33,8 @@ class QuantPanelLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: Any, gemm_from_rows: int = 0) -> None:
         super().__init__()
         self.ops = ops
-        self.quantized = weight  # kept for sharding and merging; its tensors are the panels' sources
+        # Only the panels are kept: the source's tensors go (sharding and merging are done).
+        self.format = weight.format
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.group_size = weight.group_size
         self.codes = ops.pack_quant_panels(weight.codes)
@@ -83,7 +84,7 @@ class QuantPanelLinear(nn.Module):
         return self.matmul(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.quantized.format}, panels"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, panels"
 
 
 def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) -> int:

@@ -179,7 +179,7 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
                 raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
                 weight = quantized_weight(raw, type_name)
                 _place_quantized(model, modules, hf_name, weight, tensor.name)
-                formats[type_name] = formats.get(type_name, 0) + 1
+                formats[weight.format] = formats.get(weight.format, 0) + 1
                 quantized_bytes += weight.nbytes
             else:
                 raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} is {type_name}, which raydecode "

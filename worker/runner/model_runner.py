@@ -85,6 +85,8 @@ class ModelRunner:
         self.model, self.device = self.loaded.model, self.loaded.device
         self.max_model_len = self.loaded.max_model_len
         self._join_group()
+        #: the weights as loaded, before a backend packs them (quantized ones as stored)
+        self.weight_bytes = weight_bytes(self.model)
         self.backend = choose_backend(self.model, self.device, config, self.group)
         self.kv = self._allocate_kv_pool(config)
         self.graphs: StepGraphs | None = self.backend.graphs(self._forward, self.kv) if self.backend.graphs else None
@@ -100,6 +102,10 @@ class ModelRunner:
         )
         self.timings = StepTimings()
         self.info = self._worker_info()
+        if self.info.quantized:
+            logger.warning("weights kept quantized: %s (%.0f MiB as loaded)",
+                           ", ".join(f"{n} x{k}" for n, k in sorted(self.info.quantized.items())),
+                           self.weight_bytes / 2**20)
         self._probe_attention()
 
     # -- the steps of loading ---------------------------------------------------------
@@ -161,6 +167,8 @@ class ModelRunner:
             vocab_size=loaded.vocab_size, eos_token_ids=loaded.eos_token_ids,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs, kv_cache_bytes=kv.num_bytes,
             num_spec_tokens=self.config.num_spec_tokens, num_kv_blocks=kv.num_blocks, kv_block_size=kv.block_size,
+            quantized={k: v for k, v in loaded.quantized.items() if k not in ("F32", "F16", "BF16")},
+            weight_bytes=self.weight_bytes,
         )
 
     @staticmethod
@@ -494,6 +502,23 @@ class ModelRunner:
             report["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             report["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         return report
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s weights as loaded: its parameters and buffers, and the
+    quantized layers' codes, scales and offsets (each shared tensor once)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        q = getattr(module, "quantized", None)
+        if q is not None and hasattr(q, "codes"):
+            tensors += [q.codes, q.scales, q.offsets]
+    for t in tensors:
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _default_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
