@@ -287,12 +287,6 @@ def test_dequantized_weights_equal_the_packages_decompression(checkpoints, name)
         assert sum(layer.bias is not None for layer in layers.values()) == 6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "quantization='none' loads a compressed-tensors folder with transformers' default compressed-tensors "
-    "loading (worker/runner/model_loader.py _from_pretrained, ~lines 186-200), which keeps the layers compressed "
-    "(weight_packed, or int8 weight codes) until a first forward's decompression hook; the CPU backend then "
-    "merges q/k/v and finds no float weight (AttributeError for pack-quantized, RuntimeError for int8 codes). "
-    "It needs CompressedTensorsConfig(dequantize=True)"))
 @pytest.mark.parametrize("name", ["llama-w4a16-g32-sym", "llama-int8-naive-channel"])
 def test_quantization_none_dequantizes_a_compressed_checkpoint(checkpoints, name):
     w = make_worker(str(checkpoints.folder(name)), quantization="none")
@@ -300,11 +294,8 @@ def test_quantization_none_dequantizes_a_compressed_checkpoint(checkpoints, name
     assert_greedy_like(checkpoints.reference(name), w, seed=1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the same bug, without the worker: load_model(quantization='none') returns the layers still compressed "
-    "(worker/runner/model_loader.py _from_pretrained, ~lines 186-200)"))
 def test_none_on_a_compressed_checkpoint_loads_float_weights(checkpoints):
-    """What ``quantization="none"`` needs to give the worker (the xfail above): every
+    """What ``quantization="none"`` gives the worker: every
     decoder linear a float ``nn.Linear`` equal to the package's decompression."""
     name = "llama-w4a16-g32-sym"
     loaded = load_model(str(checkpoints.folder(name)), quantization="none")
@@ -360,11 +351,6 @@ def test_hostile_quantization_config_is_refused_naming_it(checkpoints, case):
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a quantization_config that is not a mapping is read as no quantization at all "
-    "(worker/quant/checkpoint.py checkpoint_format, ~line 59: `if not isinstance(quant, dict): return \"float\"`), "
-    "so transformers loads the folder and fails with AttributeError (\"'list' object has no attribute 'to_dict'\") "
-    "instead of a ModelLoadError naming quantization_config"))
 @pytest.mark.parametrize("value", [["oops"], "int4"])
 def test_malformed_quantization_config_is_refused_naming_it(checkpoints, value):
     folder = checkpoints.edited(f"qc-{type(value).__name__}", lambda c: c.update(quantization_config=value))
@@ -372,11 +358,6 @@ def test_malformed_quantization_config_is_refused_naming_it(checkpoints, value):
         load_model(str(folder))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the group size is taken from the scale tensor's shape and the config's weights.group_size is never "
-    "checked against it (worker/quant/compressed_tensors.py _quantized_weight, ~lines 123-129), so a folder "
-    "declaring groups of 64 with scales of groups of 32 loads silently; the package's own decompression "
-    "refuses it (a shape mismatch in dequantize)"))
 def test_group_size_disagreeing_with_the_scales_is_refused(checkpoints):
     folder = checkpoints.edited("group-64", lambda c: _group(c)["weights"].update(group_size=64))
     with pytest.raises(ModelLoadError, match="group_size|group"):
@@ -509,11 +490,6 @@ def test_on_the_fly_greedy_equals_transformers_on_the_dequantized_weights(tiny_m
     assert_greedy_like(reference, w, seed=2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "asymmetric int4 takes the group's own min and max as its range without extending it to include zero "
-    "(worker/quant/on_the_fly.py quantize_int4, ~lines 63-65; compressed-tensors' calculate_qparams does "
-    "min(lo, 0), max(hi, 0)): for a group of positive weights the zero point clamps to 0 and the codes "
-    "saturate at 15, so the largest weights dequantize to hi - lo, off by lo (many steps)"))
 @pytest.mark.parametrize("case", ["positive layer g32", "tiny model g2"])
 def test_asymmetric_int4_of_one_signed_groups_stays_within_half_a_step(tiny_model_path, float_reference, case):
     if case == "positive layer g32":
@@ -546,8 +522,8 @@ def test_int8_takes_no_options(tiny_model_path):
         load_model(tiny_model_path, quantization="int8", quantization_config={"group_size": 32})
 
 
-def test_bad_on_the_fly_options_fail_the_worker_load(tiny_model_path):
-    with pytest.raises(ModelLoadError, match="bits"):
+def test_bad_on_the_fly_options_are_refused_by_the_config(tiny_model_path):
+    with pytest.raises(ValueError, match=r"quantization_config: \['bits'\] are not options of int4"):
         make_worker(tiny_model_path, quantization="int4", quantization_config={"bits": 2})
 
 

@@ -240,7 +240,7 @@ def check_quantization(quantization: str | None, options: dict[str, Any] | None)
         require(isinstance(quantization, str), "quantization", f"one of {list(QUANTIZATION_METHODS)} or None",
                 quantization)
         if quantization in QUANTIZATION_NOT_RUN:
-            raise ValueError(f"quantization {quantization!r} is not supported by raydecode (it runs "
+            raise ValueError(f"quantization {quantization!r} is not supported by raydecode (it accepts "
                              f"{', '.join(QUANTIZATION_METHODS)}, or None for the checkpoint's own format)")
         require(quantization in QUANTIZATION_METHODS, "quantization",
                 f"one of {list(QUANTIZATION_METHODS)} or None", quantization)
@@ -248,3 +248,26 @@ def check_quantization(quantization: str | None, options: dict[str, Any] | None)
         require(isinstance(options, dict), "quantization_config", "a mapping of options", options)
         require(quantization in ("int4", "int8"), "quantization_config",
                 "only with quantization int4 or int8 (the on-the-fly schemes' options)", options)
+        check_quantization_options(quantization, options)
+
+
+#: ``quantization_config`` keys of the on-the-fly schemes
+ON_THE_FLY_OPTIONS = {"int4": {"group_size", "symmetric"}, "int8": set()}
+
+
+def check_quantization_options(scheme: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The validated ``quantization_config`` of an on-the-fly scheme; ``ValueError``
+    naming a key or value it does not take."""
+    options = dict(options or {})
+    allowed = ON_THE_FLY_OPTIONS.get(scheme, set())
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"quantization_config: {unknown} are not options of {scheme} "
+                         f"(it takes {sorted(allowed) or 'none'})")
+    if "group_size" in options:
+        g = options["group_size"]
+        if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+            raise ValueError(f"quantization_config: group_size must be an even integer >= 2, got {g!r}")
+    if "symmetric" in options and not isinstance(options["symmetric"], bool):
+        raise ValueError(f"quantization_config: symmetric must be true or false, got {options['symmetric']!r}")
+    return options

@@ -44,7 +44,7 @@ from worker.parallel.layout import (
     rank_layout,
 )
 from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY
-from worker.quant.linear import QuantizedEmbedding, QuantizedLinear
+from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, quantized_formats
 from worker.quant.weight import QuantizedWeight
 from worker.runner.model_loader import (
     LoadedModel,
@@ -216,6 +216,7 @@ def load_model_shard(
     finally:
         reader.close()
     hf_model.to(dev).eval()
+    formats = {**{k: v for k, v in formats.items() if k in ("F32", "F16", "BF16")}, **quantized_formats(hf_model)}
     loaded = finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len, formats)
     return loaded, layout
 

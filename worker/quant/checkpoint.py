@@ -56,8 +56,11 @@ def checkpoint_format(path: str, gguf_file: str | None = None) -> str:
     except (OSError, ValueError):
         return "float"
     quant = data.get("quantization_config") if isinstance(data, dict) else None
-    if not isinstance(quant, dict):
+    if quant is None:
         return "float"
+    if not isinstance(quant, dict):
+        raise ValueError(f"{os.path.basename(path)}: config.json's quantization_config must be a mapping, got "
+                         f"{type(quant).__name__}")
     method = quant.get("quant_method")
     return str(method) if method else "unknown"
 

@@ -127,6 +127,11 @@ def _quantized_weight(tensors: _Checkpoint, name: str, args: Any, fmt: str, shap
     if scale.shape[0] != n or k % groups:
         raise ValueError(f"{name}.weight_scale is {list(scale.shape)}, which does not fit a {n}x{k} layer")
     group = k // groups
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if strategy == "group" and args.group_size is not None and int(args.group_size) != group:
+        raise ValueError(f"{name}: the config says groups of {args.group_size}, its scales hold groups of {group}")
+    if strategy in ("channel", "tensor") and groups != 1:
+        raise ValueError(f"{name}: the {strategy} strategy has one scale per row, its scales hold {groups}")
     zero = tensors.get(f"{name}.weight_zero_point")
     if zero is None or args.symmetric:
         zero = torch.zeros(n, groups)
@@ -139,7 +144,7 @@ def _quantized_weight(tensors: _Checkpoint, name: str, args: Any, fmt: str, shap
     scale = scale.reshape(n, groups).contiguous()
     offsets = -(zero + shift) * scale
     kind = "sym" if args.symmetric else "asym"
-    label = f"compressed-tensors int{bits} {'g' + str(group) if groups > 1 else 'channel'} {kind}"
+    label = f"compressed-tensors int{bits} {'g' + str(group) if strategy == 'group' else strategy} {kind}"
     return QuantizedWeight.from_codes(codes, scale, offsets, bits, group, label)
 
 

@@ -76,3 +76,14 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.quantized.format}"
+
+
+def quantized_formats(model: nn.Module) -> dict[str, int]:
+    """``model``'s layers kept quantized, counted by format (a shared one once)."""
+    seen: set[int] = set()
+    formats: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.quantized) not in seen:
+            seen.add(id(module.quantized))
+            formats[module.quantized.format] = formats.get(module.quantized.format, 0) + 1
+    return formats

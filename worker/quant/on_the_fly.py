@@ -5,7 +5,8 @@ symmetric) and ``int4`` (groups along the inputs, symmetric by default).
   ``[-127, 127]`` (stored shifted by 128, the shift in the offset).
 - int4: per group of ``group_size`` inputs (128 by default), symmetric ``scale = max |w|
   / 7``, codes ``round(w / scale)`` in ``[-8, 7]``; asymmetric (``symmetric: False``)
-  ``scale = (max - min) / 15`` and an integer zero point, codes in ``[0, 15]``. Where the
+  ``scale = (max - min) / 15`` over the group's range widened to hold 0, and an integer
+  zero point, codes in ``[0, 15]``. Where the
   group size does not divide a layer's inputs (SmolLM2's 576 by 128), the layer takes the
   largest even divisor of its inputs below it, and the load report says so.
 
@@ -22,12 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.config import check_quantization_options as check_options
 from worker.quant.linear import QuantizedLinear
 from worker.quant.weight import QuantizedWeight
 
 DEFAULT_INT4_GROUP = 128
-#: ``quantization_config`` keys of the on-the-fly schemes
-INT4_OPTIONS = {"group_size", "symmetric"}
 
 
 def _half_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -60,31 +60,15 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP, sy
         q = torch.clamp(torch.round(groups / scale[..., None]), -8, 7) + 8
         offset = -8 * scale
     else:
-        lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+        # The range holds 0 (as the compressed-tensors package's observer makes it), so
+        # the zero point is a code and a group of one sign keeps its extreme in range.
+        lo, hi = groups.amin(dim=2).clamp(max=0), groups.amax(dim=2).clamp(min=0)
         scale = _half_scales((hi - lo) / 15)
         zero = torch.clamp(torch.round(-lo / scale), 0, 15)
         q = torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 15)
         offset = -zero * scale
     name = f"int4 g{g} {'sym' if symmetric else 'asym'}"
     return QuantizedWeight.from_codes(q.reshape(n, k).to(torch.uint8), scale, offset, 4, g, name)
-
-
-def check_options(scheme: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """The validated ``quantization_config`` of an on-the-fly scheme; ``ValueError``
-    naming a key or value it does not take."""
-    options = dict(options or {})
-    allowed = INT4_OPTIONS if scheme == "int4" else set()
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"quantization_config: {unknown} are not options of {scheme} "
-                         f"(it takes {sorted(allowed) or 'none'})")
-    if "group_size" in options:
-        g = options["group_size"]
-        if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
-            raise ValueError(f"quantization_config: group_size must be an even integer >= 2, got {g!r}")
-    if "symmetric" in options and not isinstance(options["symmetric"], bool):
-        raise ValueError(f"quantization_config: symmetric must be true or false, got {options['symmetric']!r}")
-    return options
 
 
 def quantize_model(model: nn.Module, scheme: str, options: dict[str, Any] | None = None) -> dict[str, int]:

@@ -22,7 +22,15 @@ from typing import Any
 import torch
 
 from worker.cache import cache_dir
-from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY, LoadPlan, checkpoint_format, load_plan
+from worker.quant.checkpoint import (
+    DEQUANTIZE,
+    KEEP_COMPRESSED,
+    KEEP_GGUF,
+    ON_THE_FLY,
+    LoadPlan,
+    checkpoint_format,
+    load_plan,
+)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -138,7 +146,7 @@ def load_model(
 
 def plan_loading(path: str, name: str, kwargs: dict[str, Any], quantization: str | None) -> LoadPlan:
     """How the checkpoint ``resolve_model`` found loads for ``quantization``
-    (``ModelLoadError`` when the two do not fit)."""
+    (``ModelLoadError`` when the two do not fit, or its quantization config is malformed)."""
     try:
         return load_plan(checkpoint_format(path, kwargs.get("gguf_file")), quantization, name)
     except ValueError as exc:
@@ -165,7 +173,14 @@ def load_weights(path: str, name: str, kwargs: dict[str, Any], plan: LoadPlan, t
             hf_model, config, formats = load_compressed_model(path, torch_dtype, attn_implementation, trust)
             return hf_model, config, path, kwargs, formats
         config = _config(path, name, kwargs)
-        hf_model = _from_pretrained(path, name, kwargs, config, torch_dtype, attn_implementation)
+        load_kwargs = dict(kwargs)
+        if plan.action == DEQUANTIZE and plan.checkpoint == "compressed-tensors":
+            from transformers import CompressedTensorsConfig
+
+            # Decompressed at load: plain float linears (else transformers keeps the
+            # layers compressed until their first forward).
+            load_kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+        hf_model = _from_pretrained(path, name, load_kwargs, config, torch_dtype, attn_implementation)
         formats = {}
         if plan.action == ON_THE_FLY:
             from worker.quant.on_the_fly import quantize_model
