@@ -13,16 +13,20 @@ this package and ``worker.transport``; the rooms behind it:
                decoder, the shared-memory all-reduce
   gpu/         the GPU path: FlexAttention over the paged pool, CUDA graphs for decode
                steps, their host-built plans, compiled norms
+  quant/       quantized weights kept quantized: their one form (``QuantizedWeight``),
+               the readers of GGUF blocks and compressed-tensors checkpoints, int8/int4
+               on the fly, the torch reference modules
   parallel/    model parallelism: a rank's layout, shard loading, the group's
                collectives and a rank's runner
 
 and beside them, the floor every room (and the driver) stands on: ``config.py``
-(``WorkerConfig``), ``protocol.py`` (the msgspec wire format both sides import) and
+(``WorkerConfig``), ``protocol.py`` (the msgspec wire format both sides import),
 ``structured_output.py`` (grammars, which the driver also compiles to validate
-requests); ``build.py`` puts a runner together for its device.
+requests) and ``cache.py`` (where built things are kept); ``build.py`` puts a runner
+together for its device.
 
 The import contracts (``pyproject.toml``, ``[tool.importlinter]``) keep this layering:
-transport > build > parallel > cpu | gpu > runner > the floor.
+transport > build > parallel > cpu | gpu > runner > quant > the floor.
 """
 
 from __future__ import annotations
