@@ -24,6 +24,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,8 +94,9 @@ def meta_folder(path: str) -> Path:
         try:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise GGUFError(f"{name}: transformers cannot read its metadata: {exc}") from None
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+            raise GGUFError(f"{name}: not a readable GGUF file (truncated or corrupt?): transformers cannot read its "
+                            f"metadata: {exc}") from None
         config.tie_word_embeddings = not any(t == "output.weight" for t in tensor_names(path))
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -114,6 +116,17 @@ def tensor_names(path: str) -> list[str]:
     from gguf import GGUFReader
 
     return [t.name for part in gguf_parts(path) for t in GGUFReader(part).tensors]
+
+
+def _reader(part: str) -> Any:
+    """The ``gguf`` package's reader of one file; ``GGUFError`` naming it when the file
+    is not whole (the reader checks every tensor's bytes against the file's size)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(part)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+        raise GGUFError(f"{os.path.basename(part)}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
 
 
 def _architecture(reader: Any, path: str) -> str:
@@ -139,14 +152,13 @@ def _name_maps_built_once() -> Iterator[None]:
 
 def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_remote_code: bool = False) -> GGUFModel:
     """The model of GGUF file ``path`` with its quantized tensors kept quantized."""
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     folder = meta_folder(path)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    readers = [GGUFReader(part) for part in gguf_parts(path)]
+    readers = [_reader(part) for part in gguf_parts(path)]
     arch = _architecture(readers[0], path)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     with no_init_weights():
