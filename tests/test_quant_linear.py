@@ -156,7 +156,7 @@ def test_the_kernel_is_the_float_panel_linear_on_the_dequantized_weights(bits, p
     held = kernel_weights(w)
     dequantized = w.dequantize()
     # The library path's dequantizer holds the same weights (std::fma).
-    assert torch.equal(OPS.dequantize_quant_panels(layer.codes, layer.scales, layer.offsets, group, 0, panels), held)
+    assert torch.equal(OPS.dequantize_quant_panels(layer.codes, layer.groups, group, 0, panels), held)
     scale_times_code_exact = scales == "fp16"
     if scale_times_code_exact:
         assert torch.equal(dequantized, held)  # product exact: one rounding either way
@@ -274,7 +274,7 @@ def test_calls_of_gemm_from_rows_rows_take_the_library_gemm(monkeypatch, bits, b
         if rows < 8:
             assert [name for name, _ in spy.calls] == ["quant_linear"]
             kernel = torch.empty(rows, 80)
-            OPS.quant_linear(kernel, x, layer.codes, layer.scales, layer.offsets, layer.bias, 32)
+            OPS.quant_linear(kernel, x, layer.codes, layer.groups, layer.bias, 32)
             assert torch.equal(got, kernel)
         else:
             assert spy.calls == [("dequantize_quant_panels", (0, 2)), ("dequantize_quant_panels", (2, 4)),
@@ -326,23 +326,23 @@ def test_what_the_kernel_cannot_run_is_refused():
     with pytest.raises(RuntimeError, match="quant_linear: codes must be"):
         layer.matmul(torch.randn(3, 80))  # codes for 64 inputs, rows of 80
     with pytest.raises(RuntimeError, match="quant_linear: codes must be"):
-        OPS.quant_linear(y, x, layer.codes[:, :, :8].contiguous(), layer.scales, layer.offsets, None, 16)
-    with pytest.raises(RuntimeError, match="quant_linear: scales and offsets"):
-        OPS.quant_linear(y, x, layer.codes, layer.scales[:, :2].contiguous(), layer.offsets, None, 16)
+        OPS.quant_linear(y, x, layer.codes[:, :, :8].contiguous(), layer.groups, None, 16)
+    with pytest.raises(RuntimeError, match="quant_linear: groups must be"):
+        OPS.quant_linear(y, x, layer.codes, layer.groups[:, :2].contiguous(), None, 16)
     with pytest.raises(RuntimeError, match="quant_linear: K .* whole groups"):
-        OPS.quant_linear(y, x, layer.codes, layer.scales, layer.offsets, None, 48)
+        OPS.quant_linear(y, x, layer.codes, layer.groups, None, 48)
     with pytest.raises(RuntimeError, match="quant_linear: 4-bit codes need even groups"):
-        # K = 6 in groups of 3: codes [1, 3, 16], scales [1, 2, 16]
+        # K = 6 in groups of 3: codes [1, 3, 16], groups [1, 2, 32]
         OPS.quant_linear(torch.empty(3, 16), torch.randn(3, 6), torch.zeros(1, 3, 16, dtype=torch.uint8),
-                         torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), None, 3)
+                         torch.zeros(1, 2, 32), None, 3)
     with pytest.raises(RuntimeError, match="quant_linear: y must be"):
-        OPS.quant_linear(torch.empty(3, 16), x, layer.codes, layer.scales, layer.offsets, None, 16)
+        OPS.quant_linear(torch.empty(3, 16), x, layer.codes, layer.groups, None, 16)
     with pytest.raises(RuntimeError, match="quant_linear: x must be a contiguous"):
-        OPS.quant_linear(y, torch.randn(64, 3).t(), layer.codes, layer.scales, layer.offsets, None, 16)
+        OPS.quant_linear(y, torch.randn(64, 3).t(), layer.codes, layer.groups, None, 16)
     with pytest.raises(RuntimeError, match="quant_linear: bias must have N entries"):
-        OPS.quant_linear(y, x, layer.codes, layer.scales, layer.offsets, torch.zeros(16), 16)
+        OPS.quant_linear(y, x, layer.codes, layer.groups, torch.zeros(16), 16)
     with pytest.raises(RuntimeError, match="quant_linear: this CPU has no neon"):
-        OPS.quant_linear(y, x, layer.codes, layer.scales, layer.offsets, None, 16, "neon")
+        OPS.quant_linear(y, x, layer.codes, layer.groups, None, 16, "neon")
 
 
 # -- 4. the swap ----------------------------------------------------------------------------------

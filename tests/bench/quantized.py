@@ -79,7 +79,7 @@ def linears(rows: list[int], rounds: int) -> list[Row]:
     dense = torch.nn.Linear(head.in_features, head.out_features, bias=False)
     dense.weight.data = head.quantized.dequantize()
     floats.append(PanelLinear(dense, ops))
-    qbytes = sum(q.codes.numel() + 4 * (q.scales.numel() + q.offsets.numel()) for q in quant)
+    qbytes = sum(q.codes.numel() + q.groups.numel() * q.groups.element_size() for q in quant)
     fbytes = sum(f.panels.numel() * 4 for f in floats)
     bandwidth = copy_bandwidth()
     out = [Row("copy bandwidth (256 MiB float32 copy)", f"{bandwidth / 1e9:.1f} GB/s")]

@@ -1,7 +1,8 @@
 """Quantized linear layers on the CPU kernel (``csrc/quant_linear.cpp``).
 
 ``QuantPanelLinear`` takes a ``QuantizedLinear``'s weight into column panels once at load
-(codes, scales and offsets of each run of 16 outputs together) and runs calls of fewer
+(each run of 16 outputs' codes together, and each group's scales and offsets in one
+64-byte line where they are exact in half precision) and runs calls of fewer
 than ``gemm_from_rows`` rows on the kernel, which dequantizes each weight in registers:
 the weights are read quantized, once per call, and the result is the float panel
 linear's on the dequantized weights, bit for bit. Calls of ``gemm_from_rows`` rows or more
@@ -38,8 +39,8 @@ class QuantPanelLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.group_size = weight.group_size
         self.codes = ops.pack_quant_panels(weight.codes)
-        self.scales = ops.pack_quant_panels(weight.scales)
-        self.offsets = ops.pack_quant_panels(weight.offsets)
+        #: each group's scales and offsets together (float16 where every value is exact)
+        self.groups = ops.pack_quant_groups(weight.scales, weight.offsets)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.gemm_from_rows = gemm_from_rows
 
@@ -61,7 +62,7 @@ class QuantPanelLinear(nn.Module):
         if self.gemm_from_rows and rows.shape[0] >= self.gemm_from_rows:
             return self._library_gemm(rows)
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        self.ops.quant_linear(out, rows, self.codes, self.scales, self.offsets, self.bias, self.group_size, isa)
+        self.ops.quant_linear(out, rows, self.codes, self.groups, self.bias, self.group_size, isa)
         return out
 
     def _library_gemm(self, rows: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ class QuantPanelLinear(nn.Module):
         step = max(1, SLICE_ELEMENTS // (16 * self.in_features))
         for p0 in range(0, panels, step):
             p1 = min(p0 + step, panels)
-            w = self.ops.dequantize_quant_panels(self.codes, self.scales, self.offsets, self.group_size, p0, p1)
+            w = self.ops.dequantize_quant_panels(self.codes, self.groups, self.group_size, p0, p1)
             bias = None if self.bias is None else self.bias[p0 * 16 : p1 * 16]
             out[:, p0 * 16 : p1 * 16] = F.linear(rows, w, bias)
         return out

@@ -3,7 +3,9 @@
 // (worker/quant/weight.py's form). The panels (pack_quant_panels below):
 //   codes    4-bit: [P, K / 2, 16] uint8, byte (p, j, l) = code(16p + l, 2j) | code(16p + l, 2j + 1) << 4
 //            wider: [P, K, 16] uint8, one code a byte
-//   scales, offsets: [P, K / g, 16] float32
+//   groups   [P, K / g, 32]: each group's 16 scales then its 16 offsets, in float16 where
+//            every value is exact in half precision (GGUF's legacy types: their scales
+//            are half floats), else float32; one 64-byte line a group at float16
 // Each weight is dequantized in registers, fma(code, scale, offset): the value
 // QuantizedWeight.dequantize gives, rounded once. Each output is then one chain of FMAs
 // over k in order, as panel_linear computes over float panels: the result is the float
@@ -39,43 +41,108 @@ constexpr int64_t PANEL = 16;
 struct QArgs {
   const float* x;         // [M, K]
   const uint8_t* codes;   // panels
-  const float* scales;    // [P, K / g, 16]
-  const float* offsets;   // [P, K / g, 16]
+  const void* groups;     // [P, K / g, 32] float16 or float32: scales, then offsets
   const float* bias;      // [N] or null
   float* y;               // [M, N]
   int64_t M, K, N, g;
   bool packed;            // 4-bit codes, two a byte
+  bool half;              // groups in float16
   int64_t panel_code_bytes() const { return (packed ? K / 2 : K) * PANEL; }
-  int64_t panel_groups() const { return (K / g) * PANEL; }
+  int64_t group_bytes() const { return 2 * PANEL * (half ? 2 : 4); }
+  int64_t panel_group_bytes() const { return (K / g) * group_bytes(); }
+  const char* group_at(int64_t p, int64_t group) const {
+    return static_cast<const char*>(groups) + p * panel_group_bytes() + group * group_bytes();
+  }
+  // A group's scale and offset of output 16p + j (the plain path's and dequantize's).
+  float scale(int64_t p, int64_t group, int64_t j) const { return value(p, group, j); }
+  float offset(int64_t p, int64_t group, int64_t j) const { return value(p, group, PANEL + j); }
+  float value(int64_t p, int64_t group, int64_t i) const {
+    const char* at = group_at(p, group);
+    return half ? static_cast<float>(reinterpret_cast<const c10::Half*>(at)[i]) : reinterpret_cast<const float*>(at)[i];
+  }
+};
+
+// The next unit's panels (codes, scales, offsets: three contiguous runs), asked into
+// L2 a few lines at a time while this unit computes. Streaming a model's layers from
+// memory, the hardware prefetcher alone kept the kernel well under the memory's rate.
+struct NextPanels {
+  const char* run[2] = {nullptr, nullptr};
+  int64_t lines[2] = {0, 0};
+  int at = 0;
+
+  NextPanels() = default;
+  NextPanels(const QArgs& a, int64_t first, int64_t count) {
+    const int64_t P = a.N / PANEL;
+    count = std::min(count, P - first);
+    if (count <= 0) return;
+    run[0] = reinterpret_cast<const char*>(a.codes + first * a.panel_code_bytes());
+    run[1] = a.group_at(first, 0);
+    lines[0] = (count * a.panel_code_bytes() + 63) / 64;
+    lines[1] = (count * a.panel_group_bytes() + 63) / 64;
+  }
+  int64_t total() const { return lines[0] + lines[1]; }
+  // Asks for up to n more lines.
+  void ask(int64_t n) {
+#ifdef RAYDECODE_X86
+    while (n > 0 && at < 2) {
+      if (lines[at] == 0) {
+        ++at;
+        continue;
+      }
+      _mm_prefetch(run[at], _MM_HINT_T1);
+      run[at] += 64;
+      --lines[at];
+      --n;
+    }
+#else
+    (void)n;
+#endif
+  }
 };
 
 #ifdef RAYDECODE_X86
-// Rows m0 .. m0 + MR of panels p .. p + NP (np <= NP of them real).
+// A group's 16 scales and 16 offsets, as floats.
+__attribute__((target("avx512f,fma"))) inline void load_group(const QArgs& a, int64_t p, int64_t group, __m512& s,
+                                                               __m512& o) {
+  const char* at = a.group_at(p, group);
+  if (a.half) {
+    const __m512i both = _mm512_loadu_si512(at);
+    s = _mm512_cvtph_ps(_mm512_castsi512_si256(both));
+    o = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(both, 1));
+  } else {
+    s = _mm512_loadu_ps(reinterpret_cast<const float*>(at));
+    o = _mm512_loadu_ps(reinterpret_cast<const float*>(at) + PANEL);
+  }
+}
+#endif
+
+#ifdef RAYDECODE_X86
+// Rows m0 .. m0 + MR of panels p .. p + NP (np <= NP of them real); ``next``: the lines
+// to ask into L2 meanwhile, spread over the k loop.
 template <int MR, int NP>
-__attribute__((target("avx512f,fma"))) void qblock_avx512(const QArgs& a, int64_t m0, int64_t p, int np) {
+__attribute__((target("avx512f,fma"))) void qblock_avx512(const QArgs& a, int64_t m0, int64_t p, int np,
+                                                            NextPanels next) {
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int i = 0; i < NP; ++i) acc[m][i] = _mm512_setzero_ps();
   const int64_t K = a.K, g = a.g;
   const float* x = a.x + m0 * K;
   const uint8_t* codes[NP];
-  const float* sc[NP];
-  const float* of[NP];
+  int64_t panel[NP];
   for (int i = 0; i < NP; ++i) {
-    const int64_t q = p + std::min(i, np - 1);  // a missing panel repeats the last (its result is dropped)
-    codes[i] = a.codes + q * a.panel_code_bytes();
-    sc[i] = a.scales + q * a.panel_groups();
-    of[i] = a.offsets + q * a.panel_groups();
+    panel[i] = p + std::min(i, np - 1);  // a missing panel repeats the last (its result is dropped)
+    codes[i] = a.codes + panel[i] * a.panel_code_bytes();
   }
   // float(code) of a 4-bit code by table: vpermps reads only an index's low 4 bits, so
   // the low nibble needs no mask (and the table's entries are exact: the same values).
   const __m512 nibble = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // Lines to ask for at each group: the whole next unit over this one's groups.
+  const int64_t groups = K / g;
+  const int64_t per_group = (next.total() + groups - 1) / groups;
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     __m512 s[NP], o[NP];
-    for (int i = 0; i < NP; ++i) {
-      s[i] = _mm512_loadu_ps(sc[i] + (k0 / g) * PANEL);
-      o[i] = _mm512_loadu_ps(of[i] + (k0 / g) * PANEL);
-    }
+    next.ask(per_group);
+    for (int i = 0; i < NP; ++i) load_group(a, panel[i], k0 / g, s[i], o[i]);
     if (a.packed) {
       for (int64_t k = k0; k < k0 + g; k += 2) {
         __m512 w0[NP], w1[NP];
@@ -115,7 +182,7 @@ __attribute__((target("avx512f,fma"))) void qblock_avx512(const QArgs& a, int64_
 
 // Rows m0 .. m0 + MR of panel p (16 columns: two 8-lane halves).
 template <int MR>
-__attribute__((target("avx2,fma"))) void qblock_avx2(const QArgs& a, int64_t m0, int64_t p) {
+__attribute__((target("avx2,fma,f16c"))) void qblock_avx2(const QArgs& a, int64_t m0, int64_t p) {
   __m256 lo[MR], hi[MR];
   for (int m = 0; m < MR; ++m) {
     lo[m] = _mm256_setzero_ps();
@@ -124,14 +191,20 @@ __attribute__((target("avx2,fma"))) void qblock_avx2(const QArgs& a, int64_t m0,
   const int64_t K = a.K, g = a.g;
   const float* x = a.x + m0 * K;
   const uint8_t* codes = a.codes + p * a.panel_code_bytes();
-  const float* sc = a.scales + p * a.panel_groups();
-  const float* of = a.offsets + p * a.panel_groups();
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
-    const float* sg = sc + (k0 / g) * PANEL;
-    const float* og = of + (k0 / g) * PANEL;
-    const __m256 sl = _mm256_loadu_ps(sg), sh = _mm256_loadu_ps(sg + 8);
-    const __m256 ol = _mm256_loadu_ps(og), oh = _mm256_loadu_ps(og + 8);
+    __m256 sl, sh, ol, oh;
+    const char* at = a.group_at(p, k0 / g);
+    if (a.half) {
+      const __m128i* h = reinterpret_cast<const __m128i*>(at);
+      sl = _mm256_cvtph_ps(_mm_loadu_si128(h));
+      sh = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+      ol = _mm256_cvtph_ps(_mm_loadu_si128(h + 2));
+      oh = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
+    } else {
+      const float* f = reinterpret_cast<const float*>(at);
+      sl = _mm256_loadu_ps(f), sh = _mm256_loadu_ps(f + 8), ol = _mm256_loadu_ps(f + 16), oh = _mm256_loadu_ps(f + 24);
+    }
     const int64_t step = a.packed ? 2 : 1;
     for (int64_t k = k0; k < k0 + g; k += step) {
       const uint8_t* c = codes + (a.packed ? k / 2 : k) * PANEL;
@@ -173,7 +246,7 @@ __attribute__((target("avx2,fma"))) void qblock_avx2(const QArgs& a, int64_t m0,
   }
 }
 
-using QAvx512Block = void (*)(const QArgs&, int64_t, int64_t, int);
+using QAvx512Block = void (*)(const QArgs&, int64_t, int64_t, int, NextPanels);
 using QAvx2Block = void (*)(const QArgs&, int64_t, int64_t);
 // Few rows: four panels a pass (their FMA chains overlap); more rows: two panels and
 // blocks of up to 8 rows (16 accumulators, the weights and scales in the other registers).
@@ -191,8 +264,6 @@ const QAvx2Block AVX2_BLOCKS[AVX2_ROWS + 1] = {nullptr, qblock_avx2<1>, qblock_a
 void qblock_plain(const QArgs& a, int64_t m0, int64_t rows, int64_t p) {
   const int64_t K = a.K, g = a.g;
   const uint8_t* codes = a.codes + p * a.panel_code_bytes();
-  const float* sc = a.scales + p * a.panel_groups();
-  const float* of = a.offsets + p * a.panel_groups();
   for (int64_t m = m0; m < m0 + rows; ++m) {
     float acc[PANEL] = {};
     const float* x = a.x + m * K;
@@ -200,7 +271,7 @@ void qblock_plain(const QArgs& a, int64_t m0, int64_t rows, int64_t p) {
       for (int64_t j = 0; j < PANEL; ++j) {
         const uint8_t byte = a.packed ? codes[(k / 2) * PANEL + j] : codes[k * PANEL + j];
         const int code = a.packed ? ((k & 1) ? byte >> 4 : byte & 0x0F) : byte;
-        const float w = std::fma(static_cast<float>(code), sc[(k / g) * PANEL + j], of[(k / g) * PANEL + j]);
+        const float w = std::fma(static_cast<float>(code), a.scale(p, k / g, j), a.offset(p, k / g, j));
         acc[j] = std::fma(x[k], w, acc[j]);
       }
     }
@@ -233,14 +304,18 @@ void run_unit(const QArgs& a, Isa isa, int64_t unit, int64_t per) {
   const int np = static_cast<int>(std::min<int64_t>(per, P - p));
   switch (isa) {
 #ifdef RAYDECODE_X86
-    case Isa::kAvx512:
+    case Isa::kAvx512: {
+      // The first block of rows asks for the next unit's panels (the thread's next unit,
+      // as the split hands them out); later blocks find this unit's in L2.
+      const NextPanels next(a, p + per, per);
       if (per == WIDE_PANELS) {
-        WIDE_BLOCKS[a.M](a, 0, p, np);
+        WIDE_BLOCKS[a.M](a, 0, p, np, next);
         return;
       }
       for (int64_t m0 = 0; m0 < a.M; m0 += AVX512_ROWS)
-        AVX512_BLOCKS[std::min<int64_t>(AVX512_ROWS, a.M - m0)](a, m0, p, np);
+        AVX512_BLOCKS[std::min<int64_t>(AVX512_ROWS, a.M - m0)](a, m0, p, np, m0 == 0 ? next : NextPanels());
       return;
+    }
     case Isa::kAvx2:
       for (int64_t m0 = 0; m0 < a.M; m0 += AVX2_ROWS) AVX2_BLOCKS[std::min<int64_t>(AVX2_ROWS, a.M - m0)](a, m0, p);
       return;
@@ -267,33 +342,32 @@ void check(const torch::Tensor& t, const char* name, at::ScalarType type, int64_
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ W^T (+ bias), W in quantized panels (pack_quant_panels). ``isa``
-// forces an instruction set this CPU has ("avx512", "avx2", "plain": tests); "" picks.
-void quant_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                  const torch::Tensor& offsets, const c10::optional<torch::Tensor>& bias, int64_t group_size,
-                  const std::string& isa_name) {
+// y [M, N] = x [M, K] @ W^T (+ bias), W in quantized panels (pack_quant_panels,
+// pack_quant_groups). ``isa`` forces an instruction set this CPU has ("avx512",
+// "avx2", "plain": tests); "" picks.
+void quant_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& groups,
+                  const c10::optional<torch::Tensor>& bias, int64_t group_size, const std::string& isa_name) {
   check(y, "y", torch::kFloat32, 2);
   check(x, "x", torch::kFloat32, 2);
   check(codes, "codes", torch::kUInt8, 3);
-  check(scales, "scales", torch::kFloat32, 3);
-  check(offsets, "offsets", torch::kFloat32, 3);
+  const bool half = groups.scalar_type() == torch::kFloat16;
+  check(groups, "groups", half ? torch::kFloat16 : torch::kFloat32, 3);
   const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = P * PANEL, g = group_size;
   TORCH_CHECK(g > 0 && K % g == 0, "quant_linear: K (", K, ") must be whole groups of ", g);
   const bool packed = codes.size(1) * 2 == K;
   TORCH_CHECK((packed || codes.size(1) == K) && codes.size(2) == PANEL,
               "quant_linear: codes must be [N / 16, K / 2, 16] (4-bit) or [N / 16, K, 16]");
   TORCH_CHECK(!packed || g % 2 == 0, "quant_linear: 4-bit codes need even groups");
-  TORCH_CHECK(scales.sizes() == offsets.sizes() && scales.size(0) == P && scales.size(1) == K / g &&
-                  scales.size(2) == PANEL,
-              "quant_linear: scales and offsets must be [N / 16, K / g, 16]");
+  TORCH_CHECK(groups.size(0) == P && groups.size(1) == K / g && groups.size(2) == 2 * PANEL,
+              "quant_linear: groups must be [N / 16, K / g, 32]");
   TORCH_CHECK(y.size(0) == M && y.size(1) == N, "quant_linear: y must be [M, N]");
   if (bias.has_value()) {
     check(*bias, "bias", torch::kFloat32, 1);
     TORCH_CHECK(bias->size(0) == N, "quant_linear: bias must have N entries");
   }
   if (M == 0 || N == 0) return;
-  const QArgs a{x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(),
-                bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, g, packed};
+  const QArgs a{x.data_ptr<float>(), codes.data_ptr<uint8_t>(), groups.data_ptr(),
+                bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, g, packed, half};
   Isa isa = best_isa();
   if (!isa_name.empty()) {
     const auto have = quant_isas();
@@ -305,8 +379,7 @@ void quant_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& 
   raydecode::StealingSplit(units, at::get_num_threads()).run([&](int64_t unit, int64_t) { run_unit(a, isa, unit, per); });
 }
 
-// codes [N, K / 2] (4-bit, two a byte) or [N, K] -> [N / 16, K / 2 | K, 16]; scales or
-// offsets [N, K / g] -> [N / 16, K / g, 16].
+// codes [N, K / 2] (4-bit, two a byte) or [N, K] -> [N / 16, K / 2 | K, 16].
 torch::Tensor pack_quant_panels(const torch::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2, "pack_quant_panels: a 2-dimensional CPU tensor");
   const int64_t N = t.size(0), W = t.size(1);
@@ -314,27 +387,42 @@ torch::Tensor pack_quant_panels(const torch::Tensor& t) {
   return t.contiguous().view({N / PANEL, PANEL, W}).transpose(1, 2).contiguous();
 }
 
-// The float32 weights [N, K] of panels [p0, p1) (a chunk a library GEMM runs on).
-torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::Tensor& scales,
-                                      const torch::Tensor& offsets, int64_t group_size, int64_t p0, int64_t p1) {
+// scales and offsets [N, K / g] (float32) -> groups [N / 16, K / g, 32]: float16 when
+// every value is exact in half precision (``half`` allowed), else float32.
+torch::Tensor pack_quant_groups(const torch::Tensor& scales, const torch::Tensor& offsets, bool allow_half) {
+  TORCH_CHECK(scales.sizes() == offsets.sizes() && scales.dim() == 2 && scales.scalar_type() == torch::kFloat32 &&
+                  offsets.scalar_type() == torch::kFloat32,
+              "pack_quant_groups: scales and offsets must be float32 [N, K / g] alike");
+  auto both = torch::cat({pack_quant_panels(scales), pack_quant_panels(offsets)}, 2).contiguous();
+  if (allow_half) {
+    auto half = both.to(torch::kFloat16);
+    if (torch::equal(half.to(torch::kFloat32), both)) return half;
+  }
+  return both;
+}
+
+// The float32 weights [N', K] of panels [p0, p1) (a chunk a library GEMM runs on).
+torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::Tensor& groups, int64_t group_size,
+                                      int64_t p0, int64_t p1) {
   check(codes, "codes", torch::kUInt8, 3);
-  const int64_t P = codes.size(0), g = group_size, K = scales.size(1) * g;
+  const bool half = groups.scalar_type() == torch::kFloat16;
+  check(groups, "groups", half ? torch::kFloat16 : torch::kFloat32, 3);
+  const int64_t P = codes.size(0), g = group_size, K = groups.size(1) * g;
   TORCH_CHECK(0 <= p0 && p0 <= p1 && p1 <= P, "dequantize_quant_panels: panels out of range");
   const bool packed = codes.size(1) * 2 == K;
+  const QArgs a{nullptr, codes.data_ptr<uint8_t>(), groups.data_ptr(), nullptr, nullptr, 0, K, P * PANEL, g, packed,
+                half};
   auto out = torch::empty({(p1 - p0) * PANEL, K}, torch::kFloat32);
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* sc = scales.data_ptr<float>();
-  const float* of = offsets.data_ptr<float>();
   float* w = out.data_ptr<float>();
-  const int64_t cb = codes.size(1) * PANEL, gb = (K / g) * PANEL;
+  const int64_t cb = codes.size(1) * PANEL;
   at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t k = 0; k < K; ++k) {
         for (int64_t j = 0; j < PANEL; ++j) {
           const uint8_t byte = packed ? c[p * cb + (k / 2) * PANEL + j] : c[p * cb + k * PANEL + j];
           const int code = packed ? ((k & 1) ? byte >> 4 : byte & 0x0F) : byte;
-          w[((p - p0) * PANEL + j) * K + k] =
-              std::fma(static_cast<float>(code), sc[p * gb + (k / g) * PANEL + j], of[p * gb + (k / g) * PANEL + j]);
+          w[((p - p0) * PANEL + j) * K + k] = std::fma(static_cast<float>(code), a.scale(p, k / g, j), a.offset(p, k / g, j));
         }
       }
     }
@@ -344,9 +432,11 @@ torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::T
 
 void register_quant_linear(pybind11::module_& m) {
   m.def("quant_linear", &quant_linear, "linear over quantized panel weights, dequantized in registers (CPU)",
-        pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
-        pybind11::arg("offsets"), pybind11::arg("bias"), pybind11::arg("group_size"), pybind11::arg("isa") = "");
+        pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("groups"), pybind11::arg("bias"),
+        pybind11::arg("group_size"), pybind11::arg("isa") = "");
   m.def("quant_isas", &quant_isas, "the instruction sets quant_linear can use here, best first");
-  m.def("pack_quant_panels", &pack_quant_panels, "[N, W] -> [N / 16, W, 16]");
+  m.def("pack_quant_panels", &pack_quant_panels, "codes [N, W] -> [N / 16, W, 16]");
+  m.def("pack_quant_groups", &pack_quant_groups, "scales, offsets [N, K / g] -> groups [N / 16, K / g, 32]",
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("allow_half") = true);
   m.def("dequantize_quant_panels", &dequantize_quant_panels, "float32 [N', K] of panels [p0, p1)");
 }
