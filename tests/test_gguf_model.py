@@ -117,7 +117,7 @@ def assert_layers_quantized(w, path: str) -> None:
     types, its weights take the room of quantized ones, and its decoder layers (and
     embeddings) hold no float matrix."""
     from worker.cpu.packed_linear import PackedLinear, PanelLinear
-    from worker.cpu.quant_linear import QuantPanelLinear
+    from worker.cpu.quant_linear import QuantPanelEmbedding, QuantPanelLinear
     from worker.quant.linear import QuantizedEmbedding, QuantizedLinear
 
     report = load_report(path)
@@ -133,8 +133,11 @@ def assert_layers_quantized(w, path: str) -> None:
         sorted({type(m).__name__ for m in linears})
     matrices = [n for n, t in [*layers.named_parameters(), *layers.named_buffers()] if t.dim() >= 2]
     assert matrices == [], f"float matrices left in the decoder layers: {matrices}"
-    assert isinstance(model.get_input_embeddings(), QuantizedEmbedding)
-    assert isinstance(model.get_output_embeddings(), (QuantizedLinear, QuantPanelLinear))
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(head, (QuantizedLinear, QuantPanelLinear))
+    # A table tied to the output layer is looked up in that layer's panels (held once).
+    assert isinstance(embedding, QuantizedEmbedding) or (isinstance(embedding, QuantPanelEmbedding)
+                                                         and embedding.head is head)
 
 
 def run_and_compare(path: str, ref: nn.Module, **config) -> tuple[object, dict[str, list[int]]]:

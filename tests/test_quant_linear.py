@@ -395,3 +395,24 @@ def test_quantize_linear_layers_swaps_what_the_kernel_runs():
     for name in ("blocks.0.odd", "blocks.1.odd", "blocks.0.plain", "blocks.1.plain"):
         assert model.get_submodule(name) is before[name], name
     assert quantize_linear_layers(model, OPS) == 0  # nothing left to swap
+
+
+@needs_kernels
+@settings(max_examples=examples(40), deadline=None)
+@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([16, 32]), panels=st.integers(1, 4),
+       seed=st.integers(0, 2**31), scales=st.sampled_from(["fp16", "float32"]))
+def test_a_tied_embedding_reads_the_rows_of_the_output_panels(bits, group, panels, seed, scales):
+    """``QuantPanelEmbedding`` looks rows up in the output layer's panels: the rows
+    ``dequantize`` gives (rounded once either way), in the order asked, repeats included."""
+    from worker.cpu.quant_linear import QuantPanelEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    w = random_weight(gen, 16 * panels, 64, bits, group, scales)
+    table = QuantPanelEmbedding(QuantPanelLinear(w, None, OPS))
+    ids = torch.randint(0, 16 * panels, (3, 5), generator=gen)
+    ids[0, 0] = ids[2, 4]  # a repeat
+    got = table(ids)
+    assert got.shape == (3, 5, 64)
+    torch.testing.assert_close(got.reshape(15, 64), kernel_weights(w)[ids.reshape(-1)], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="outside the"):
+        table(torch.tensor([16 * panels]))

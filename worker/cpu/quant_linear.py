@@ -10,7 +10,9 @@ linear's on the dequantized weights, bit for bit. Calls of ``gemm_from_rows`` ro
 the dequantized weights a slice of the outputs at a time.
 
 ``quantize_linear_layers`` swaps every ``QuantizedLinear`` of a model for one of these
-where the kernel applies (output sizes a multiple of 16, groups of an even size).
+where the kernel applies (output sizes a multiple of 16, groups of an even size); an
+input embedding tied to the output layer then looks its rows up in that layer's panels
+(``QuantPanelEmbedding``), so the table is held once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.quant.linear import SLICE_ELEMENTS, QuantizedLinear
+from worker.quant.linear import SLICE_ELEMENTS, QuantizedEmbedding, QuantizedLinear
 from worker.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("raydecode")
@@ -88,6 +90,26 @@ class QuantPanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}, panels"
 
 
+class QuantPanelEmbedding(nn.Module):
+    """An input embedding tied to the output layer, looked up in that layer's panels: the
+    table is stored once (``QuantizedEmbedding`` would keep its own copy)."""
+
+    def __init__(self, head: QuantPanelLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx = padding_idx
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=torch.float32, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.head
+        rows = h.ops.quant_panel_rows(h.codes, h.groups, h.group_size, ids.reshape(-1).long().cpu())
+        return rows.to(ids.device).view(*ids.shape, self.embedding_dim)
+
+
 def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) -> int:
     """Swaps every ``QuantizedLinear`` of ``model`` the kernel can run for a
     ``QuantPanelLinear`` (a layer shared by several parents, once); returns how many.
@@ -95,6 +117,9 @@ def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) 
     if ops is None or not hasattr(ops, "quant_linear"):
         return 0
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    input_embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = (isinstance(input_embedding, QuantizedEmbedding) and isinstance(output_embedding, QuantizedLinear)
+            and input_embedding.quantized is output_embedding.quantized)
     swapped: dict[int, QuantPanelLinear] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -104,4 +129,6 @@ def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) 
                 rows = 0 if child is output_embedding else gemm_from_rows
                 swapped[id(child)] = QuantPanelLinear.of(child, ops, rows)
             setattr(parent, name, swapped[id(child)])
+    if tied and id(output_embedding) in swapped:  # the table once, in the output layer's panels
+        model.set_input_embeddings(QuantPanelEmbedding(swapped[id(output_embedding)], input_embedding.padding_idx))
     return len(swapped)

@@ -430,6 +430,40 @@ torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::T
   return out;
 }
 
+// The float32 rows ``ids`` of the weights in panels: a tied embedding's lookup from its
+// output layer's panels (the table is stored once).
+torch::Tensor quant_panel_rows(const torch::Tensor& codes, const torch::Tensor& groups, int64_t group_size,
+                               const torch::Tensor& ids) {
+  check(codes, "codes", torch::kUInt8, 3);
+  const bool half = groups.scalar_type() == torch::kFloat16;
+  check(groups, "groups", half ? torch::kFloat16 : torch::kFloat32, 3);
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == torch::kLong,
+              "quant_panel_rows: ids must be a 1-dimensional int64 CPU tensor");
+  const int64_t P = codes.size(0), N = P * PANEL, g = group_size, K = groups.size(1) * g;
+  const bool packed = codes.size(1) * 2 == K;
+  const QArgs a{nullptr, codes.data_ptr<uint8_t>(), groups.data_ptr(), nullptr, nullptr, 0, K, N, g, packed, half};
+  const int64_t R = ids.size(0);
+  const auto id = ids.contiguous();
+  const int64_t* rows = id.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(0 <= rows[r] && rows[r] < N, "quant_panel_rows: id ", rows[r], " is outside the ", N, " rows");
+  auto out = torch::empty({R, K}, torch::kFloat32);
+  float* w = out.data_ptr<float>();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const int64_t cb = codes.size(1) * PANEL;
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = rows[r] / PANEL, j = rows[r] % PANEL;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t byte = packed ? c[p * cb + (k / 2) * PANEL + j] : c[p * cb + k * PANEL + j];
+        const int code = packed ? ((k & 1) ? byte >> 4 : byte & 0x0F) : byte;
+        w[r * K + k] = std::fma(static_cast<float>(code), a.scale(p, k / g, j), a.offset(p, k / g, j));
+      }
+    }
+  });
+  return out;
+}
+
 void register_quant_linear(pybind11::module_& m) {
   m.def("quant_linear", &quant_linear, "linear over quantized panel weights, dequantized in registers (CPU)",
         pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("groups"), pybind11::arg("bias"),
@@ -439,4 +473,5 @@ void register_quant_linear(pybind11::module_& m) {
   m.def("pack_quant_groups", &pack_quant_groups, "scales, offsets [N, K / g] -> groups [N / 16, K / g, 32]",
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("allow_half") = true);
   m.def("dequantize_quant_panels", &dequantize_quant_panels, "float32 [N', K] of panels [p0, p1)");
+  m.def("quant_panel_rows", &quant_panel_rows, "float32 rows [len(ids), K] of the weights in panels");
 }
