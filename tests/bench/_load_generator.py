@@ -15,12 +15,20 @@ Per request:
         tokens counts as k gaps of (gap / k) (a server that coalesces tokens is neither
         punished nor flattered in the percentiles);
   tokens the completion's token count from the last ``usage`` the server sent (else the
-        ``token_ids`` it returned, else one per chunk);
+        ``token_ids`` it returned, else llama-server's ``timings.predicted_n`` where it
+        was asked for ``timings_per_token``, else one per chunk);
+  chunk gaps  the gaps between successive chunks that carry tokens, as they came (a
+        server that sends tokens in bursts shows it here, not in ITL);
   id    the ``X-Request-Id`` it was sent with, and ``sent_at`` / ``first_at`` (wall
         clock, ``time.time()``) of the send and of the first token's chunk, to join
         with a server's own per-request timeline (``raydecode serve --request-timeline``).
 Run: output tokens of all requests / wall seconds from the first send to the last
 answer.
+
+``retries_unanswered`` (default 0: off): how many times to send a request again whose
+connection died before any response byte came back (a keep-alive connection the server
+closed as it was reused: llama-server's cpp-httplib closes idle ones); the record then
+times the send that was answered and counts the retries.
 
 The client checks itself too: a client that cannot read its sockets makes every stream
 look stalled at once, whichever server it measures. ``LoadResult.client`` has the
@@ -70,6 +78,10 @@ class RequestRecord:
     request_id: str = ""
     sent_at: float = math.nan
     first_at: float = math.nan
+    #: gaps between successive token-carrying chunks (one per chunk after the first)
+    chunk_gaps: list[float] = field(default_factory=list)
+    #: sends again after a connection that died unanswered (``retries_unanswered``)
+    retries: int = 0
 
 
 @dataclass
@@ -168,53 +180,67 @@ def completion_body(model: str, req: LoadRequest, extra: dict[str, Any] | None =
 
 
 async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, req: LoadRequest,
-                            extra: dict[str, Any] | None = None) -> RequestRecord:
+                            extra: dict[str, Any] | None = None, retries_unanswered: int = 0) -> RequestRecord:
     """Sends one streamed completion and times its chunks (see the module docstring)."""
     rec = RequestRecord(request_id=uuid.uuid4().hex)
     body = completion_body(model, req, extra)
-    rec.sent_at = time.time()
-    start = time.perf_counter()
-    last_t: float | None = None
-    count = 0  # tokens seen so far
-    try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body,
-                                 headers={"X-Request-Id": rec.request_id}) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                rec.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+    while True:
+        rec.sent_at = time.time()
+        start = time.perf_counter()
+        last_t: float | None = None
+        count = 0  # tokens seen so far
+        answered = False
+        try:
+            async with client.stream("POST", f"{base_url}/v1/completions", json=body,
+                                     headers={"X-Request-Id": rec.request_id}) as resp:
+                answered = True
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    rec.error = f"HTTP {resp.status_code}: {text[:200]}"
                     return rec
-                usage = chunk.get("usage") or {}
-                choices = chunk.get("choices") or []
-                if usage.get("completion_tokens") is not None:
-                    new = int(usage["completion_tokens"]) - count
-                elif choices and choices[0].get("token_ids") is not None:
-                    new = len(choices[0]["token_ids"])
-                else:
-                    new = 1 if choices else 0
-                if new <= 0:
-                    continue
-                if last_t is None:
-                    rec.ttft = now - start
-                    rec.first_at = rec.sent_at + rec.ttft
-                else:
-                    rec.itl.extend([(now - last_t) / new] * new)
-                # the first chunk's extra tokens (k > 1) have no gap before them
-                last_t = now
-                count += new
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"[:200]
-        return rec
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        rec.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+                        return rec
+                    usage = chunk.get("usage") or {}
+                    choices = chunk.get("choices") or []
+                    timings = chunk.get("timings") or {}
+                    if usage.get("completion_tokens") is not None:
+                        new = int(usage["completion_tokens"]) - count
+                    elif choices and choices[0].get("token_ids") is not None:
+                        new = len(choices[0]["token_ids"])
+                    elif choices and timings.get("predicted_n") is not None:  # llama-server, timings_per_token
+                        new = int(timings["predicted_n"]) - count
+                    else:
+                        new = 1 if choices else 0
+                    if new <= 0:
+                        continue
+                    if last_t is None:
+                        rec.ttft = now - start
+                        rec.first_at = rec.sent_at + rec.ttft
+                    else:
+                        rec.itl.extend([(now - last_t) / new] * new)
+                        rec.chunk_gaps.append(now - last_t)
+                    # the first chunk's extra tokens (k > 1) have no gap before them
+                    last_t = now
+                    count += new
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            if not answered and rec.retries < retries_unanswered:
+                rec.retries += 1  # the connection died before any response: send it again
+                continue
+            rec.error = f"{type(exc).__name__}: {exc}"[:200]
+            return rec
+        except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"[:200]
+            return rec
+        break
     rec.latency = time.perf_counter() - start
     rec.tokens = count
     if count != req.max_tokens:
@@ -223,7 +249,7 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
 
 
 async def _closed_loop(base_url: str, model: str, reqs: list[LoadRequest], concurrency: int,
-                       extra: dict[str, Any] | None, timeout_s: float) -> LoadResult:
+                       extra: dict[str, Any] | None, timeout_s: float, retries_unanswered: int = 0) -> LoadResult:
     queue: asyncio.Queue[tuple[int, LoadRequest]] = asyncio.Queue()
     for item in enumerate(reqs):
         queue.put_nowait(item)
@@ -237,7 +263,7 @@ async def _closed_loop(base_url: str, model: str, reqs: list[LoadRequest], concu
                     i, req = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                records[i] = await stream_completion(client, base_url, model, req, extra)
+                records[i] = await stream_completion(client, base_url, model, req, extra, retries_unanswered)
 
         health = ClientHealth()
         watcher = asyncio.ensure_future(_watch_loop(health))
@@ -253,9 +279,11 @@ async def _closed_loop(base_url: str, model: str, reqs: list[LoadRequest], concu
 
 
 def run_load(base_url: str, model: str, reqs: list[LoadRequest], concurrency: int, *,
-             extra: dict[str, Any] | None = None, timeout_s: float = 600.0) -> LoadResult:
+             extra: dict[str, Any] | None = None, timeout_s: float = 600.0,
+             retries_unanswered: int = 0) -> LoadResult:
     """Runs ``reqs`` closed-loop at ``concurrency`` and returns the timings."""
-    return asyncio.run(_closed_loop(base_url.rstrip("/"), model, reqs, concurrency, extra, timeout_s))
+    return asyncio.run(_closed_loop(base_url.rstrip("/"), model, reqs, concurrency, extra, timeout_s,
+                                    retries_unanswered))
 
 
 def wait_ready(base_url: str, proc: subprocess.Popen[Any] | None = None, timeout_s: float = 600.0,
