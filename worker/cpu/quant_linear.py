@@ -21,13 +21,17 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.quant.linear import SLICE_ELEMENTS, QuantizedEmbedding, QuantizedLinear
 from worker.quant.weight import QuantizedWeight
 
 logger = logging.getLogger("raydecode")
+
+#: Rows from which a quantized layer's call runs the library GEMM on dequantized weights
+#: (at least; ``cpu_gemm_from_rows`` may ask for more): below, the kernel's in-register
+#: dequantization is ahead (docs/performance.md, "Quantized weights").
+GEMM_FROM_ROWS = 256
 
 
 class QuantPanelLinear(nn.Module):
@@ -69,15 +73,17 @@ class QuantPanelLinear(nn.Module):
 
     def _library_gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """A prefill-sized call: the dequantized weights, a slice of panels at a time,
-        through ``F.linear`` (the library GEMM)."""
+        through the library GEMM (``torch.mm`` on ``W^T``, the panels' own orientation)."""
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         panels = self.codes.shape[0]
         step = max(1, SLICE_ELEMENTS // (16 * self.in_features))
         for p0 in range(0, panels, step):
             p1 = min(p0 + step, panels)
-            w = self.ops.dequantize_quant_panels(self.codes, self.groups, self.group_size, p0, p1)
-            bias = None if self.bias is None else self.bias[p0 * 16 : p1 * 16]
-            out[:, p0 * 16 : p1 * 16] = F.linear(rows, w, bias)
+            wt = self.ops.dequantize_quant_panels(self.codes, self.groups, self.group_size, p0, p1)  # W^T
+            part = torch.mm(rows, wt)
+            if self.bias is not None:
+                part += self.bias[p0 * 16 : p1 * 16]
+            out[:, p0 * 16 : p1 * 16] = part
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +119,9 @@ class QuantPanelEmbedding(nn.Module):
 def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) -> int:
     """Swaps every ``QuantizedLinear`` of ``model`` the kernel can run for a
     ``QuantPanelLinear`` (a layer shared by several parents, once); returns how many.
-    The output embedding keeps the kernel at every size (only sampled rows reach it)."""
+    The output embedding keeps the kernel at every size (only sampled rows reach it); the
+    others take the library GEMM from ``max(gemm_from_rows, GEMM_FROM_ROWS)`` rows
+    (never, with ``gemm_from_rows`` 0)."""
     if ops is None or not hasattr(ops, "quant_linear"):
         return 0
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -126,7 +134,7 @@ def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) 
             if not isinstance(child, QuantizedLinear) or not QuantPanelLinear.applies(child.quantized, ops):
                 continue
             if id(child) not in swapped:
-                rows = 0 if child is output_embedding else gemm_from_rows
+                rows = 0 if child is output_embedding or not gemm_from_rows else max(gemm_from_rows, GEMM_FROM_ROWS)
                 swapped[id(child)] = QuantPanelLinear.of(child, ops, rows)
             setattr(parent, name, swapped[id(child)])
     if tied and id(output_embedding) in swapped:  # the table once, in the output layer's panels

@@ -401,7 +401,34 @@ torch::Tensor pack_quant_groups(const torch::Tensor& scales, const torch::Tensor
   return both;
 }
 
-// The float32 weights [N', K] of panels [p0, p1) (a chunk a library GEMM runs on).
+#ifdef RAYDECODE_X86
+// Rows k0 .. k1 of W^T for panel p, 16 floats a row, into out (row stride ld).
+__attribute__((target("avx512f,fma"))) void dequantize_panel_avx512(const QArgs& a, int64_t p, float* out, int64_t ld) {
+  const uint8_t* codes = a.codes + p * a.panel_code_bytes();
+  const __m512 nibble = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t k0 = 0; k0 < a.K; k0 += a.g) {
+    __m512 s, o;
+    load_group(a, p, k0 / a.g, s, o);
+    if (a.packed) {
+      for (int64_t k = k0; k < k0 + a.g; k += 2) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k / 2) * PANEL)));
+        _mm512_storeu_ps(out + k * ld, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, nibble), s, o));
+        _mm512_storeu_ps(out + (k + 1) * ld,
+                         _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibble), s, o));
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + a.g; ++k) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * PANEL)));
+        _mm512_storeu_ps(out + k * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, o));
+      }
+    }
+  }
+}
+#endif
+
+// W^T [K, 16 (p1 - p0)] in float32 of panels [p0, p1): a prefill chunk's weights for a
+// library GEMM (``rows @ W^T`` as one ``mm``), each panel's 16 outputs a row of 16
+// floats at each k, the kernel's values (one rounding).
 torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::Tensor& groups, int64_t group_size,
                                       int64_t p0, int64_t p1) {
   check(codes, "codes", torch::kUInt8, 3);
@@ -412,21 +439,31 @@ torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::T
   const bool packed = codes.size(1) * 2 == K;
   const QArgs a{nullptr, codes.data_ptr<uint8_t>(), groups.data_ptr(), nullptr, nullptr, 0, K, P * PANEL, g, packed,
                 half};
-  auto out = torch::empty({(p1 - p0) * PANEL, K}, torch::kFloat32);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const int64_t ld = (p1 - p0) * PANEL;
+  auto out = torch::empty({K, ld}, torch::kFloat32);
   float* w = out.data_ptr<float>();
+  const bool simd = best_isa() == Isa::kAvx512;
+  const uint8_t* c = codes.data_ptr<uint8_t>();
   const int64_t cb = codes.size(1) * PANEL;
   at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
+      float* col = w + (p - p0) * PANEL;
+#ifdef RAYDECODE_X86
+      if (simd) {
+        dequantize_panel_avx512(a, p, col, ld);
+        continue;
+      }
+#endif
       for (int64_t k = 0; k < K; ++k) {
         for (int64_t j = 0; j < PANEL; ++j) {
           const uint8_t byte = packed ? c[p * cb + (k / 2) * PANEL + j] : c[p * cb + k * PANEL + j];
           const int code = packed ? ((k & 1) ? byte >> 4 : byte & 0x0F) : byte;
-          w[((p - p0) * PANEL + j) * K + k] = std::fma(static_cast<float>(code), a.scale(p, k / g, j), a.offset(p, k / g, j));
+          col[k * ld + j] = std::fma(static_cast<float>(code), a.scale(p, k / g, j), a.offset(p, k / g, j));
         }
       }
     }
   });
+  (void)simd;
   return out;
 }
 
@@ -472,6 +509,6 @@ void register_quant_linear(pybind11::module_& m) {
   m.def("pack_quant_panels", &pack_quant_panels, "codes [N, W] -> [N / 16, W, 16]");
   m.def("pack_quant_groups", &pack_quant_groups, "scales, offsets [N, K / g] -> groups [N / 16, K / g, 32]",
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("allow_half") = true);
-  m.def("dequantize_quant_panels", &dequantize_quant_panels, "float32 [N', K] of panels [p0, p1)");
+  m.def("dequantize_quant_panels", &dequantize_quant_panels, "W^T float32 [K, 16 (p1 - p0)] of panels [p0, p1)");
   m.def("quant_panel_rows", &quant_panel_rows, "float32 rows [len(ids), K] of the weights in panels");
 }
