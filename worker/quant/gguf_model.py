@@ -57,7 +57,6 @@ class GGUFModel:
     meta_folder: Path
     #: quantized layers by format, and float tensors: the load report
     formats: dict[str, int]
-    quantized_bytes: int
 
 
 def gguf_parts(path: str) -> list[str]:
@@ -70,7 +69,8 @@ def gguf_parts(path: str) -> list[str]:
     parts = [os.path.join(folder, f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p for p in parts if not os.path.isfile(p)]
     if missing:
-        raise GGUFError(f"{os.path.basename(path)} is part of a split file whose parts {[os.path.basename(m) for m in missing]} are missing")
+        names = [os.path.basename(m) for m in missing]
+        raise GGUFError(f"{os.path.basename(path)} is part of a split file whose parts {names} are missing")
     return parts
 
 
@@ -113,9 +113,7 @@ def meta_folder(path: str) -> Path:
 
 
 def tensor_names(path: str) -> list[str]:
-    from gguf import GGUFReader
-
-    return [t.name for part in gguf_parts(path) for t in GGUFReader(part).tensors]
+    return [t.name for part in gguf_parts(path) for t in _reader(part).tensors]
 
 
 def _reader(part: str) -> Any:
@@ -171,7 +169,6 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
     params = dict(model.named_parameters())
     filled: set[str] = set()
     formats: dict[str, int] = {}
-    quantized_bytes = 0
     for reader in readers:
         for tensor in reader.tensors:
             hf_name = names.get(tensor.name)
@@ -192,7 +189,6 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
                 weight = quantized_weight(raw, type_name)
                 _place_quantized(model, modules, hf_name, weight, tensor.name)
                 formats[weight.format] = formats.get(weight.format, 0) + 1
-                quantized_bytes += weight.nbytes
             else:
                 raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} is {type_name}, which raydecode "
                                 f"does not run (supported: {', '.join([*READERS, *FLOAT_TYPES])})")
@@ -203,7 +199,7 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
     missing = [n for n in params if n not in filled]
     if missing:
         raise GGUFError(f"{os.path.basename(path)} lacks the tensors of {missing[:5]}")
-    return GGUFModel(model, config, folder, formats, quantized_bytes)
+    return GGUFModel(model, config, folder, formats)
 
 
 def _float_values(data: np.ndarray, type_name: str) -> np.ndarray:

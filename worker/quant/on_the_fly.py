@@ -47,7 +47,10 @@ def int4_group(in_features: int, group_size: int) -> int:
     """``group_size``, or the largest even divisor of ``in_features`` below it."""
     if in_features % group_size == 0:
         return group_size
-    return max(g for g in range(2, group_size, 2) if in_features % g == 0)
+    divisors = [g for g in range(2, group_size, 2) if in_features % g == 0]
+    if not divisors:
+        raise ValueError(f"int4: a layer of {in_features} inputs has no even group size up to {group_size}")
+    return max(divisors)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP, symmetric: bool = True) -> QuantizedWeight:

@@ -67,10 +67,6 @@ class QuantizedWeight:
         """Two codes to a byte."""
         return self.bits == 4
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
-
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
                    group_size: int, format: str) -> QuantizedWeight:
