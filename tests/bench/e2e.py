@@ -378,9 +378,13 @@ def main() -> None:
     ap.add_argument("--cb-api", choices=["manager", "generate_batch"], default="manager",
                     help="how to drive transformers' continuous batching (see run_cb)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none",
+                    help="ours' weights: none (default: float32, what transformers runs), or None for the embedded "
+                         "Q4_1 file kept quantized")
     ap.add_argument("--no-two-workers", action="store_true",
                     help="skip the second run of ours with two workers of one CPU each")
     args = ap.parse_args()
+    args.quantization = None if args.quantization == "None" else args.quantization
     load_at_start = os.getloadavg()[0]  # before this script's own work adds to it
     n = args.requests or (16 if args.quick else 64)
     prompt_len, out_len = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
@@ -394,7 +398,8 @@ def main() -> None:
     engine_kwargs: dict[str, Any] = {"max_model_len": prompt_len[1] + out_len[1]}
     if args.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(model=None, num_workers=args.num_workers, max_num_seqs=args.max_num_seqs, **engine_kwargs)
+    llm = LLM(model=None, quantization=args.quantization, num_workers=args.num_workers, max_num_seqs=args.max_num_seqs,
+              **engine_kwargs)
     budget = llm.engine.config.max_num_batched_tokens
     warm = [Req(greedy[0].prompt[:16], 4, True, 0), Req(greedy[1].prompt[:16], 4, False, 1)]
     run_ours(llm, warm)
@@ -445,7 +450,7 @@ def main() -> None:
 
     if not args.no_two_workers and args.num_workers == 1 and (os.cpu_count() or 1) >= 2:
         llm.shutdown()
-        llm = LLM(model=None, num_workers=2, worker_num_cpus=(os.cpu_count() or 2) // 2,
+        llm = LLM(model=None, quantization=args.quantization, num_workers=2, worker_num_cpus=(os.cpu_count() or 2) // 2,
                   max_num_seqs=args.max_num_seqs, **engine_kwargs)
         run_ours(llm, warm)
         for name, reqs in (("greedy", greedy), ("mix", mix)):

@@ -103,7 +103,7 @@ def prefix_reuse(quick: bool) -> dict[str, dict[str, float]]:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
     for name, caching in (("off", False), ("on", True)):
-        llm = LLM(None, max_num_seqs=64, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
+        llm = LLM(None, quantization="none", max_num_seqs=64, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
                   enable_prefix_caching=caching)
         try:
             llm.generate([{"prompt_token_ids": [rng.randrange(vocab_lo, vocab_hi) for _ in range(40)]}], params,

@@ -177,7 +177,7 @@ def main() -> None:
     step_bytes = 0
     walls: dict[tuple[str, int], float] = {}
     for transport, on in (("step channel", True), ("Ray task calls", False)):
-        llm = LLM(model=None, num_workers=1, max_num_seqs=max(args.batches), max_model_len=256, step_channel=on)
+        llm = LLM(model=None, quantization="none", num_workers=1, max_num_seqs=max(args.batches), max_model_len=256, step_channel=on)
         split(llm, *workload(stream, 2, 4, 99))  # warm-up
         print(f"step split, SmolLM2-135M float32, one worker with {os.cpu_count()} CPUs, steps on the "
               f"{transport}, {args.tokens} greedy tokens per request; ms per worker step")

@@ -67,7 +67,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     stream = corpus_tokens(tok)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    llm = LLM(model=None, num_workers=1, max_num_seqs=max(64, *args.batches), max_model_len=256)
+    llm = LLM(model=None, quantization="none", num_workers=1, max_num_seqs=max(64, *args.batches), max_model_len=256)
     budget = llm.engine.config.max_num_batched_tokens
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config = copy.deepcopy(model.generation_config)
