@@ -387,7 +387,7 @@ def test_quantize_linear_layers_swaps_what_the_kernel_runs():
     for name in ("blocks.0.proj", "blocks.1.proj", "blocks.0.shared", "head"):
         swapped = model.get_submodule(name)
         assert isinstance(swapped, QuantPanelLinear), name
-        assert swapped.gemm_from_rows == (0 if name == "head" else GEMM_FROM_ROWS), name  # at least 256
+        assert swapped.gemm_from_rows == (0 if name == "head" else GEMM_FROM_ROWS), name  # the quantized threshold
         assert swapped.format == before[name].quantized.format and not hasattr(swapped, "quantized")
         w = before[name].quantized
         assert_close(swapped(x), *reference(x, exact_weights(w), before[name].bias.detach()), name)
@@ -416,3 +416,23 @@ def test_a_tied_embedding_reads_the_rows_of_the_output_panels(bits, group, panel
     torch.testing.assert_close(got.reshape(15, 64), kernel_weights(w)[ids.reshape(-1)], rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="outside the"):
         table(torch.tensor([16 * panels]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_both_avx512_paths_give_the_same_bits(bits):
+    """Dequantized in registers (few rows) or into a float buffer for the float panel
+    kernel's blocks (many rows): the same values summed in the same order."""
+    if "avx512" not in OPS.quant_isas():
+        pytest.skip("no AVX-512 here")
+    gen = torch.Generator().manual_seed(7)
+    w = random_weight(gen, 48, 128, bits, 32)
+    layer = QuantPanelLinear(w, torch.randn(48, generator=gen), OPS)
+    for rows in (1, 3, 13, 40):
+        x = torch.randn(rows, 128, generator=gen)
+        outs = []
+        for dequant_rows in (1, 10**9):  # every call the buffer's path; every call in registers
+            y = torch.empty(rows, 48)
+            OPS.quant_linear(y, x, layer.codes, layer.groups, layer.bias, 32, "avx512", dequant_rows)
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), rows

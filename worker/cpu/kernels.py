@@ -39,7 +39,7 @@ CSRC = Path(__file__).with_name("csrc")
 #: count for the build's identity too.
 SOURCES = [CSRC / name for name in (
     "paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp", "quant_linear.cpp", "shm_allreduce.cpp")]
-HEADERS = [CSRC / name for name in ("cpu_math.h", "work_split.h")]
+HEADERS = [CSRC / name for name in ("cpu_math.h", "panel_blocks.h", "work_split.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 
 

@@ -2,12 +2,14 @@
 
 ``QuantPanelLinear`` takes a ``QuantizedLinear``'s weight into column panels once at load
 (each run of 16 outputs' codes together, and each group's scales and offsets in one
-64-byte line where they are exact in half precision) and runs calls of fewer
-than ``gemm_from_rows`` rows on the kernel, which dequantizes each weight in registers:
-the weights are read quantized, once per call, and the result is the float panel
-linear's on the dequantized weights, bit for bit. Calls of ``gemm_from_rows`` rows or more
-(prefill chunks, bound by arithmetic rather than by the weights) run a library GEMM on
-the dequantized weights a slice of the outputs at a time.
+64-byte line where they are exact in half precision) and runs calls of fewer than
+``gemm_from_rows`` rows on the kernel: the weights are read quantized, once per call,
+and the result is the float panel linear's on the dequantized weights, bit for bit.
+Below 32 rows the kernel dequantizes each weight in registers; from 32 rows it
+dequantizes a pair of panels once into a buffer and runs the float panel kernel's blocks
+of rows over it (the same values and sums: a row's result does not depend on which).
+Calls of ``gemm_from_rows`` rows or more (long prefill chunks) run a library GEMM on the
+dequantized weights a slice of the outputs at a time.
 
 ``quantize_linear_layers`` swaps every ``QuantizedLinear`` of a model for one of these
 where the kernel applies (output sizes a multiple of 16, groups of an even size); an
@@ -31,7 +33,7 @@ logger = logging.getLogger("raydecode")
 #: Rows from which a quantized layer's call runs the library GEMM on dequantized weights
 #: (at least; ``cpu_gemm_from_rows`` may ask for more): below, the kernel's in-register
 #: dequantization is ahead (docs/performance.md, "Quantized weights").
-GEMM_FROM_ROWS = 256
+GEMM_FROM_ROWS = 512
 
 
 class QuantPanelLinear(nn.Module):

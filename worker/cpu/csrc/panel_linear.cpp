@@ -21,6 +21,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "panel_blocks.h"
 #include "work_split.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -35,7 +36,7 @@
 
 namespace {
 
-constexpr int64_t PANEL = 16;
+using raydecode::PANEL;
 
 struct Args {
   const float* x;     // [M, K] row-major
@@ -44,106 +45,6 @@ struct Args {
   float* y;           // [M, N] row-major
   int64_t M, K, N;
 };
-
-#ifdef RAYDECODE_X86
-// Rows m0 .. m0 + MR of panels p and p + 1 (np = 1 or 2 of them).
-// pf, pf_lines: 64-byte lines to ask into L2 meanwhile (the next unit's panels), spread
-// over the k loop.
-template <int MR>
-__attribute__((target("avx512f,fma"))) void block_avx512(const Args& a, int64_t m0, int64_t p, int np,
-                                                           const char* pf, int64_t pf_lines) {
-  __m512 acc0[MR], acc1[MR];
-  for (int m = 0; m < MR; ++m) {
-    acc0[m] = _mm512_setzero_ps();
-    acc1[m] = _mm512_setzero_ps();
-  }
-  const int64_t K = a.K;
-  const float* w0 = a.w + p * K * PANEL;
-  const float* w1 = w0 + K * PANEL;
-  const float* x = a.x + m0 * K;
-  // Lines per prefetch point: more than one when the block has more lines to ask for
-  // than k steps (a single block of rows asks for both of the next unit's panels, 2K
-  // lines; one per step left the second panel to demand misses: 6 to 12 rows ran 35-45%
-  // slower), then the spacing of the points.
-  const int64_t pf_burst = std::max<int64_t>(1, (pf_lines + K - 1) / K);
-  const int64_t pf_every = pf_lines > 0 ? std::max<int64_t>(1, K * pf_burst / pf_lines) : K + 1;
-  int64_t pf_left = pf_lines;
-  if (np == 2) {
-    for (int64_t k = 0; k < K; ++k) {
-      if (pf_left > 0 && k % pf_every == 0) {
-        for (int64_t j = 0; j < pf_burst && pf_left > 0; ++j) {
-          _mm_prefetch(pf, _MM_HINT_T1);
-          pf += 64;
-          --pf_left;
-        }
-      }
-      const __m512 wa = _mm512_loadu_ps(w0 + k * PANEL);
-      const __m512 wb = _mm512_loadu_ps(w1 + k * PANEL);
-#pragma GCC unroll 12
-      for (int m = 0; m < MR; ++m) {
-        const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-        acc0[m] = _mm512_fmadd_ps(xv, wa, acc0[m]);
-        acc1[m] = _mm512_fmadd_ps(xv, wb, acc1[m]);
-      }
-    }
-  } else {
-    for (int64_t k = 0; k < K; ++k) {
-      const __m512 wa = _mm512_loadu_ps(w0 + k * PANEL);
-#pragma GCC unroll 12
-      for (int m = 0; m < MR; ++m) acc0[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wa, acc0[m]);
-    }
-  }
-  const float* b = a.bias ? a.bias + p * PANEL : nullptr;
-  const __m512 b0 = b ? _mm512_loadu_ps(b) : _mm512_setzero_ps();
-  const __m512 b1 = (b && np == 2) ? _mm512_loadu_ps(b + PANEL) : _mm512_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    float* y = a.y + (m0 + m) * a.N + p * PANEL;
-    _mm512_storeu_ps(y, _mm512_add_ps(acc0[m], b0));
-    if (np == 2) _mm512_storeu_ps(y + PANEL, _mm512_add_ps(acc1[m], b1));
-  }
-}
-
-// Rows m0 .. m0 + MR of panel p (16 columns: two 8-lane halves).
-template <int MR>
-__attribute__((target("avx2,fma"))) void block_avx2(const Args& a, int64_t m0, int64_t p) {
-  __m256 lo[MR], hi[MR];
-  for (int m = 0; m < MR; ++m) {
-    lo[m] = _mm256_setzero_ps();
-    hi[m] = _mm256_setzero_ps();
-  }
-  const int64_t K = a.K;
-  const float* w = a.w + p * K * PANEL;
-  const float* x = a.x + m0 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 wl = _mm256_loadu_ps(w + k * PANEL);
-    const __m256 wh = _mm256_loadu_ps(w + k * PANEL + 8);
-#pragma GCC unroll 6
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
-      lo[m] = _mm256_fmadd_ps(xv, wl, lo[m]);
-      hi[m] = _mm256_fmadd_ps(xv, wh, hi[m]);
-    }
-  }
-  const float* b = a.bias ? a.bias + p * PANEL : nullptr;
-  const __m256 bl = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
-  const __m256 bh = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    float* y = a.y + (m0 + m) * a.N + p * PANEL;
-    _mm256_storeu_ps(y, _mm256_add_ps(lo[m], bl));
-    _mm256_storeu_ps(y + 8, _mm256_add_ps(hi[m], bh));
-  }
-}
-
-using Avx512Block = void (*)(const Args&, int64_t, int64_t, int, const char*, int64_t);
-using Avx2Block = void (*)(const Args&, int64_t, int64_t);
-constexpr int AVX512_ROWS = 12;  // 24 accumulators + 2 weight vectors + a broadcast of 32 registers
-constexpr int AVX2_ROWS = 6;     // 12 accumulators + 2 + 1 of 16
-const Avx512Block AVX512_BLOCKS[AVX512_ROWS + 1] = {
-    nullptr, block_avx512<1>, block_avx512<2>, block_avx512<3>, block_avx512<4>, block_avx512<5>, block_avx512<6>,
-    block_avx512<7>, block_avx512<8>, block_avx512<9>, block_avx512<10>, block_avx512<11>, block_avx512<12>};
-const Avx2Block AVX2_BLOCKS[AVX2_ROWS + 1] = {nullptr,         block_avx2<1>, block_avx2<2>, block_avx2<3>,
-                                              block_avx2<4>, block_avx2<5>, block_avx2<6>};
-#endif
 
 // Rows m0 .. m0 + rows of panel p, plain loops.
 void block_plain(const Args& a, int64_t m0, int64_t rows, int64_t p) {
@@ -187,29 +88,22 @@ void run_unit(const Args& a, Isa isa, int64_t unit) {
       // next unit's panels are asked into L2 meanwhile, a share in each block, and its
       // first block finds them there (faster from a few blocks of rows on). Below 6 rows
       // (a block mostly waiting on memory) the hardware prefetcher alone did as well.
-      const int64_t blocks = (a.M + AVX512_ROWS - 1) / AVX512_ROWS;
       const int64_t next = std::min<int64_t>(2, P - (p + 2));
       const int64_t lines = a.M >= 6 && next > 0 ? next * a.K : 0;  // a panel's row of 16 floats: one line
       const char* pf = lines ? reinterpret_cast<const char*>(a.w + (p + 2) * a.K * PANEL) : nullptr;
-      // Blocks of 12 rows, except that a remainder of 1 to 5 shares the last two
-      // blocks evenly (16 rows: 8 + 8, not 12 + 4): a block that short ends before its
-      // share of the next unit's prefetch has arrived (measured: 16 rows 10-15% faster,
-      // 13 rows 25-30%; 12 + 8 stays, 10 + 10 was slower). The block after the first
-      // even one is what is left.
-      const int64_t rem = a.M % AVX512_ROWS;
-      const int64_t even_from = (a.M > AVX512_ROWS && rem > 0 && rem < 6) ? a.M - AVX512_ROWS - rem : a.M;
-      int64_t done = 0;
-      for (int64_t b = 0, m0 = 0; m0 < a.M; ++b) {
-        const int64_t rows = m0 == even_from ? (AVX512_ROWS + rem + 1) / 2 : std::min<int64_t>(AVX512_ROWS, a.M - m0);
-        const int64_t upto = lines * (b + 1) / blocks;
-        AVX512_BLOCKS[rows](a, m0, p, np, pf + done * 64, upto - done);
-        done = upto;
-        m0 += rows;
-      }
+      const float* w0 = a.w + p * a.K * PANEL;
+      const float* b0 = a.bias ? a.bias + p * PANEL : nullptr;
+      raydecode::panel_rows_avx512(a.x, a.M, a.K, w0, w0 + a.K * PANEL, np, b0, b0 ? b0 + PANEL : nullptr,
+                                   a.y + p * PANEL, a.N, pf, lines);
       return;
     }
     case Isa::kAvx2:
-      for (int64_t m0 = 0; m0 < a.M; m0 += AVX2_ROWS) AVX2_BLOCKS[std::min<int64_t>(AVX2_ROWS, a.M - m0)](a, m0, unit);
+      for (int64_t m0 = 0; m0 < a.M; m0 += raydecode::PANEL_AVX2_ROWS) {
+        const raydecode::PanelBlock blk{a.x + m0 * a.K, a.K, a.w + unit * a.K * PANEL, nullptr,
+                                        a.bias ? a.bias + unit * PANEL : nullptr, nullptr, a.y + m0 * a.N + unit * PANEL,
+                                        a.N};
+        raydecode::PANEL_AVX2_BLOCKS[std::min<int64_t>(raydecode::PANEL_AVX2_ROWS, a.M - m0)](blk);
+      }
       return;
 #endif
     default:

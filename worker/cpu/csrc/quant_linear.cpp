@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "panel_blocks.h"
 #include "work_split.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -36,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t PANEL = 16;
+using raydecode::PANEL;
 
 struct QArgs {
   const float* x;         // [M, K]
@@ -112,6 +113,36 @@ __attribute__((target("avx512f,fma"))) inline void load_group(const QArgs& a, in
   } else {
     s = _mm512_loadu_ps(reinterpret_cast<const float*>(at));
     o = _mm512_loadu_ps(reinterpret_cast<const float*>(at) + PANEL);
+  }
+}
+#endif
+
+#ifdef RAYDECODE_X86
+// Panel p's weights dequantized, each k's 16 outputs a row of 16 floats at out + k * ld
+// (the kernel's values: one rounding); ``next``: lines to ask into L2 meanwhile.
+__attribute__((target("avx512f,fma"))) void dequantize_panel_avx512(const QArgs& a, int64_t p, float* out, int64_t ld,
+                                                                      NextPanels* next = nullptr) {
+  const uint8_t* codes = a.codes + p * a.panel_code_bytes();
+  const __m512 nibble = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t groups = a.K / a.g;
+  const int64_t per_group = next ? (next->total() + groups - 1) / groups : 0;
+  for (int64_t k0 = 0; k0 < a.K; k0 += a.g) {
+    __m512 s, o;
+    if (next) next->ask(per_group);
+    load_group(a, p, k0 / a.g, s, o);
+    if (a.packed) {
+      for (int64_t k = k0; k < k0 + a.g; k += 2) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k / 2) * PANEL)));
+        _mm512_storeu_ps(out + k * ld, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, nibble), s, o));
+        _mm512_storeu_ps(out + (k + 1) * ld,
+                         _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibble), s, o));
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + a.g; ++k) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * PANEL)));
+        _mm512_storeu_ps(out + k * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, o));
+      }
+    }
   }
 }
 #endif
@@ -295,16 +326,30 @@ Isa best_isa() {
 
 int64_t panels_per_unit(Isa isa, int64_t M) {
   if (isa != Isa::kAvx512) return 1;
-  return M <= 2 ? 4 : 2;
+  return M <= 2 ? 4 : 2;  // WIDE_ROWS, WIDE_PANELS
 }
 
-void run_unit(const QArgs& a, Isa isa, int64_t unit, int64_t per) {
+// From this many rows (AVX-512) a unit's two panels are dequantized once into a float
+// buffer and the float panel kernel's blocks run over them (panel_blocks.h): the same
+// values and the same FMA chains as the in-register path, so a row's result is the same
+// either way; the codes are unpacked once per call instead of once per block of rows.
+constexpr int64_t DEQUANT_ROWS = 32;
+
+void run_unit(const QArgs& a, Isa isa, int64_t unit, int64_t per, float* buffer, int64_t dequant_rows) {
   const int64_t P = a.N / PANEL;
   const int64_t p = unit * per;
   const int np = static_cast<int>(std::min<int64_t>(per, P - p));
   switch (isa) {
 #ifdef RAYDECODE_X86
     case Isa::kAvx512: {
+      if (a.M >= dequant_rows) {
+        NextPanels next(a, p + per, per);
+        for (int i = 0; i < np; ++i) dequantize_panel_avx512(a, p + i, buffer + i * a.K * PANEL, PANEL, &next);
+        const float* b0 = a.bias ? a.bias + p * PANEL : nullptr;
+        raydecode::panel_rows_avx512(a.x, a.M, a.K, buffer, buffer + a.K * PANEL, np, b0, b0 ? b0 + PANEL : nullptr,
+                                     a.y + p * PANEL, a.N, nullptr, 0);
+        return;
+      }
       // The first block of rows asks for the next unit's panels (the thread's next unit,
       // as the split hands them out); later blocks find this unit's in L2.
       const NextPanels next(a, p + per, per);
@@ -346,7 +391,8 @@ void check(const torch::Tensor& t, const char* name, at::ScalarType type, int64_
 // pack_quant_groups). ``isa`` forces an instruction set this CPU has ("avx512",
 // "avx2", "plain": tests); "" picks.
 void quant_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& groups,
-                  const c10::optional<torch::Tensor>& bias, int64_t group_size, const std::string& isa_name) {
+                  const c10::optional<torch::Tensor>& bias, int64_t group_size, const std::string& isa_name,
+                  int64_t dequant_rows) {
   check(y, "y", torch::kFloat32, 2);
   check(x, "x", torch::kFloat32, 2);
   check(codes, "codes", torch::kUInt8, 3);
@@ -374,9 +420,15 @@ void quant_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& 
     TORCH_CHECK(std::find(have.begin(), have.end(), isa_name) != have.end(), "quant_linear: this CPU has no ", isa_name);
     isa = isa_name == "avx512" ? Isa::kAvx512 : isa_name == "avx2" ? Isa::kAvx2 : Isa::kPlain;
   }
-  const int64_t per = panels_per_unit(isa, M);
+  if (dequant_rows < 0) dequant_rows = DEQUANT_ROWS;
+  const int64_t per = isa == Isa::kAvx512 && M >= dequant_rows ? 2 : panels_per_unit(isa, M);
   const int64_t units = (P + per - 1) / per;
-  raydecode::StealingSplit(units, at::get_num_threads()).run([&](int64_t unit, int64_t) { run_unit(a, isa, unit, per); });
+  raydecode::StealingSplit split(units, at::get_num_threads());
+  // Each thread's float panels (the dequantizing path): two panels of [K, 16].
+  std::vector<float> buffers(isa == Isa::kAvx512 && M >= dequant_rows ? split.threads() * 2 * K * PANEL : 0);
+  split.run([&](int64_t unit, int64_t thread) {
+    run_unit(a, isa, unit, per, buffers.empty() ? nullptr : buffers.data() + thread * 2 * K * PANEL, dequant_rows);
+  });
 }
 
 // codes [N, K / 2] (4-bit, two a byte) or [N, K] -> [N / 16, K / 2 | K, 16].
@@ -400,31 +452,6 @@ torch::Tensor pack_quant_groups(const torch::Tensor& scales, const torch::Tensor
   }
   return both;
 }
-
-#ifdef RAYDECODE_X86
-// Rows k0 .. k1 of W^T for panel p, 16 floats a row, into out (row stride ld).
-__attribute__((target("avx512f,fma"))) void dequantize_panel_avx512(const QArgs& a, int64_t p, float* out, int64_t ld) {
-  const uint8_t* codes = a.codes + p * a.panel_code_bytes();
-  const __m512 nibble = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t k0 = 0; k0 < a.K; k0 += a.g) {
-    __m512 s, o;
-    load_group(a, p, k0 / a.g, s, o);
-    if (a.packed) {
-      for (int64_t k = k0; k < k0 + a.g; k += 2) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (k / 2) * PANEL)));
-        _mm512_storeu_ps(out + k * ld, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, nibble), s, o));
-        _mm512_storeu_ps(out + (k + 1) * ld,
-                         _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibble), s, o));
-      }
-    } else {
-      for (int64_t k = k0; k < k0 + a.g; ++k) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * PANEL)));
-        _mm512_storeu_ps(out + k * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, o));
-      }
-    }
-  }
-}
-#endif
 
 // W^T [K, 16 (p1 - p0)] in float32 of panels [p0, p1): a prefill chunk's weights for a
 // library GEMM (``rows @ W^T`` as one ``mm``), each panel's 16 outputs a row of 16
@@ -504,7 +531,7 @@ torch::Tensor quant_panel_rows(const torch::Tensor& codes, const torch::Tensor& 
 void register_quant_linear(pybind11::module_& m) {
   m.def("quant_linear", &quant_linear, "linear over quantized panel weights, dequantized in registers (CPU)",
         pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("groups"), pybind11::arg("bias"),
-        pybind11::arg("group_size"), pybind11::arg("isa") = "");
+        pybind11::arg("group_size"), pybind11::arg("isa") = "", pybind11::arg("dequant_rows") = -1);
   m.def("quant_isas", &quant_isas, "the instruction sets quant_linear can use here, best first");
   m.def("pack_quant_panels", &pack_quant_panels, "codes [N, W] -> [N / 16, W, 16]");
   m.def("pack_quant_groups", &pack_quant_groups, "scales, offsets [N, K / g] -> groups [N / 16, K / g, 32]",
