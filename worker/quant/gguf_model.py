@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -76,14 +77,15 @@ def gguf_parts(path: str) -> list[str]:
 
 def meta_folder(path: str) -> Path:
     """The file's config and tokenizer converted by transformers, cached once per file
-    (its path, size and time) under ``$RAYDECODE_CACHE/gguf``."""
+    (its parts' paths, sizes and times) under ``$RAYDECODE_CACHE/gguf``."""
     from transformers import AutoConfig, AutoTokenizer
 
     from worker.cache import cache_dir
 
-    first = gguf_parts(path)[0]
-    stat = os.stat(first)
-    key = hashlib.sha256(f"{os.path.abspath(first)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    parts = gguf_parts(path)
+    first = parts[0]
+    identity = "".join(f"{os.path.abspath(p)}\0{os.stat(p).st_size}\0{os.stat(p).st_mtime_ns}\0" for p in parts)
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = cache_dir() / "gguf" / key
     if (target / "config.json").exists():
         return target
@@ -156,8 +158,7 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
 
     folder = meta_folder(path)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    readers = [_reader(part) for part in gguf_parts(path)]
-    arch = _architecture(readers[0], path)
+    arch, tensors = _tensors(path, folder)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
@@ -169,30 +170,29 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
     params = dict(model.named_parameters())
     filled: set[str] = set()
     formats: dict[str, int] = {}
-    for reader in readers:
-        for tensor in reader.tensors:
-            hf_name = names.get(tensor.name)
-            if hf_name is None:
-                raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} has no place in {type(model).__name__}")
-            type_name = tensor.tensor_type.name
-            if type_name in FLOAT_TYPES:
-                values = _float_values(tensor.data, type_name)
-                values = processor.process(weights=values, name=tensor.name).weights
-                _set_param(params, hf_name, values, tensor.name)
-                formats[type_name] = formats.get(type_name, 0) + 1
-            elif type_name in READERS:
-                if type(processor).__name__ not in ROW_PROCESSORS:
-                    raise GGUFError(f"{os.path.basename(path)} ({arch}): its tensors cannot be kept quantized "
-                                    f"(transformers' {type(processor).__name__} computes on them); "
-                                    "quantization='none' dequantizes the file")
-                raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
-                weight = quantized_weight(raw, type_name)
-                _place_quantized(model, modules, hf_name, weight, tensor.name)
-                formats[weight.format] = formats.get(weight.format, 0) + 1
-            else:
-                raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} is {type_name}, which raydecode "
-                                f"does not run (supported: {', '.join([*READERS, *FLOAT_TYPES])})")
-            filled.add(hf_name)
+    for tensor in tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} has no place in {type(model).__name__}")
+        type_name = tensor.type_name
+        if type_name in FLOAT_TYPES:
+            values = _float_values(tensor.data, type_name)
+            values = processor.process(weights=values, name=tensor.name).weights
+            _set_param(params, hf_name, values, tensor.name)
+            formats[type_name] = formats.get(type_name, 0) + 1
+        elif type_name in READERS:
+            if type(processor).__name__ not in ROW_PROCESSORS:
+                raise GGUFError(f"{os.path.basename(path)} ({arch}): its tensors cannot be kept quantized "
+                                f"(transformers' {type(processor).__name__} computes on them); "
+                                "quantization='none' dequantizes the file")
+            raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
+            weight = quantized_weight(raw, type_name)
+            _place_quantized(model, modules, hf_name, weight, tensor.name)
+            formats[weight.format] = formats.get(weight.format, 0) + 1
+        else:
+            raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} is {type_name}, which raydecode "
+                            f"does not run (supported: {', '.join([*READERS, *FLOAT_TYPES])})")
+        filled.add(hf_name)
     if config.tie_word_embeddings:
         _tie_output_embedding(model)
         filled.add("lm_head.weight")
@@ -200,6 +200,50 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
     if missing:
         raise GGUFError(f"{os.path.basename(path)} lacks the tensors of {missing[:5]}")
     return GGUFModel(model, config, folder, formats)
+
+
+@dataclass
+class Tensor:
+    """One tensor of the file: its name, its GGUF type and its bytes (as the ``gguf``
+    reader shapes them: quantized ones ``[rows, row bytes]``), memory-mapped."""
+
+    name: str
+    type_name: str
+    data: np.ndarray
+
+
+#: the file's tensor table, cached beside its converted metadata: the ``gguf`` reader
+#: parses every metadata field (the vocabulary: seconds) before it lists the tensors
+TABLE = "tensors.json"
+
+
+def _tensors(path: str, folder: Path) -> tuple[str, list[Tensor]]:
+    """The file's architecture and tensors: from the cached table when there is one,
+    else read by the ``gguf`` package (and the table cached)."""
+    parts = gguf_parts(path)
+    table = folder / TABLE
+    if table.exists():
+        cached = json.loads(table.read_text())
+        tensors = []
+        for part, entries in zip(parts, cached["parts"]):
+            mm = np.memmap(part, dtype=np.uint8, mode="r")
+            for e in entries:
+                raw = mm[e["offset"] : e["offset"] + e["bytes"]]
+                if len(raw) != e["bytes"]:
+                    raise GGUFError(f"{os.path.basename(part)}: not a readable GGUF file (truncated or corrupt?): "
+                                    f"tensor {e['name']} runs past its end")
+                data = raw.view(np.dtype(e["dtype"])).reshape(e["shape"])
+                tensors.append(Tensor(e["name"], e["type"], data))
+        return cached["architecture"], tensors
+    readers = [_reader(part) for part in parts]
+    arch = _architecture(readers[0], path)
+    entries = [[{"name": t.name, "type": t.tensor_type.name, "offset": int(t.data_offset), "bytes": int(t.n_bytes),
+                 "dtype": str(np.asarray(t.data).dtype), "shape": list(np.asarray(t.data).shape)} for t in r.tensors]
+               for r in readers]
+    tmp = table.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"architecture": arch, "parts": entries}))
+    tmp.replace(table)
+    return arch, [Tensor(t.name, t.tensor_type.name, t.data) for r in readers for t in r.tensors]
 
 
 def _float_values(data: np.ndarray, type_name: str) -> np.ndarray:
