@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: the whole text)")
     ap.add_argument("--llama-cpp", help="a llama.cpp build folder (its bin/llama-perplexity)")
     ap.add_argument("--llama-cpp-src", help="llama.cpp's sources (convert_hf_to_gguf.py, gguf-py) for the F32 copy")
+    ap.add_argument("--f32-gguf", help="the F32 copy, already converted (the converter wants sentencepiece, which "
+                                       "this project does not install: convert in a venv of its own)")
+    ap.add_argument("--python", default=sys.executable, help="the python that runs convert_hf_to_gguf.py")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from worker.runner.model_loader import default_model_file, default_model_path, load_tokenizer
@@ -127,12 +130,14 @@ def main() -> None:
             counted = re.search(r"tokenizing the input.*?(\d+) chunks", log, re.S)
             print(f"llama.cpp: PPL Q4_1 {ppl_l} ({counted.group(1) if counted else '?'} chunks)", flush=True)
             rows.append(Row("SmolLM2 Q4_1 perplexity, llama-perplexity", f"{ppl_l}"))
-            if args.llama_cpp_src:
+            f32 = args.f32_gguf
+            if f32 is None and args.llama_cpp_src:
                 f32 = os.path.join(tmp, "smollm2-f32.gguf")
                 env = {**os.environ, "PYTHONPATH": os.path.join(args.llama_cpp_src, "gguf-py")}
-                subprocess.run([sys.executable, os.path.join(args.llama_cpp_src, "convert_hf_to_gguf.py"),
+                subprocess.run([args.python, os.path.join(args.llama_cpp_src, "convert_hf_to_gguf.py"),
                                 str(default_model_path()), "--outtype", "f32", "--outfile", f32], check=True, env=env,
                                capture_output=True)
+            if f32:
                 base = os.path.join(tmp, "base.kld")
                 ppl_f32, _ = llama_perplexity(binary, f32, text_file, args.ctx, args.chunks,
                                               ["--kl-divergence-base", base])
