@@ -372,24 +372,32 @@ def test_a_rank_killed_mid_batch_loses_nothing(ray_local, tiny_model_path, workl
         llm.shutdown()
 
 
+INT4 = dict(quantization="int4", quantization_config={"group_size": 32})
+
+
+def _run_int4(tiny_model_path, workload, **split):
+    llm = LLM(tiny_model_path, **ENGINE, **INT4, **split)
+    try:
+        per_rank = 14 // split.get("pipeline_parallel_size", 1)  # 2 layers of 7 linears, the stage's share
+        ranks = llm.engine.workers[0].ranks or [llm.engine.workers[0]]
+        assert all(r.info.quantized == {"int4 g32 sym": per_rank} for r in ranks)
+        return llm.generate(*workload, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def int4_single(ray_local, tiny_model_path, workload):
+    return _run_int4(tiny_model_path, workload)
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_a_quantized_model_splits_as_it_runs_whole(ray_local, tiny_model_path, workload, tp, pp):
+def test_a_quantized_model_splits_as_it_runs_whole(int4_single, tiny_model_path, workload, tp, pp):
     """int4 weights kept quantized on every rank: each holds its rows of the column-parallel
     layers and its groups of the row-parallel ones, and the group answers as one
     quantized worker does."""
-    int4 = dict(quantization="int4", quantization_config={"group_size": 32})
-
-    def run(**split):
-        llm = LLM(tiny_model_path, **ENGINE, **int4, **split)
-        try:
-            per_rank = 14 // split.get("pipeline_parallel_size", 1)  # 2 layers of 7 linears, the stage's share
-            ranks = llm.engine.workers[0].ranks or [llm.engine.workers[0]]
-            assert all(r.info.quantized == {"int4 g32 sym": per_rank} for r in ranks)
-            return llm.generate(*workload, use_tqdm=False)
-        finally:
-            llm.shutdown()
-
-    assert compare(run(), run(tensor_parallel_size=tp, pipeline_parallel_size=pp)) <= 1
+    assert compare(int4_single, _run_int4(tiny_model_path, workload, tensor_parallel_size=tp,
+                                          pipeline_parallel_size=pp)) <= 1
 
 
 def test_a_split_across_quantization_groups_is_refused_naming_the_layer(ray_local, tiny_model_path):

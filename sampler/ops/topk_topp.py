@@ -104,8 +104,8 @@ def truncate_top_k_top_p(
     ``top_k`` holds the vocabulary size for rows without top-k; ``top_p`` holds 1.0 for
     rows without top-p. Rows start with ``CANDIDATE_WIDTHS[0]`` candidates and go wider
     while they are not covered; a top-p-only row whose first candidates hold less than
-    half of p goes straight to the O(vocab) histogram, and the last resort is a sort of
-    the whole row. Each row's path depends on its own logits only, so results do not
+    half of p goes straight to the O(vocab) histogram (for vocabularies larger than its
+    bins), and the last resort is a sort of the whole row. Each row's path depends on its own logits only, so results do not
     depend on the rest of the batch. Returns one group per path used.
     """
     vocab = logits.shape[1]
@@ -144,8 +144,12 @@ def truncate_top_k_top_p(
         to_histogram = torch.cat([to_histogram, left[jump]])
         add(left, ids, vals, covered)
         left = left[~covered & ~jump]
-    hist = torch.cat([to_histogram, left[no_k[left]]])
-    left = left[~no_k[left]]
+    if vocab <= HISTOGRAM_BINS:  # a sort of the whole row is cheaper than the bins
+        left = torch.cat([to_histogram, left])
+        hist = left[:0]
+    else:
+        hist = torch.cat([to_histogram, left[no_k[left]]])
+        left = left[~no_k[left]]
     if hist.numel():
         ids, vals, ok = _top_p_by_histogram(row_logits[hist], lse[hist], p[hist])
         left = torch.cat([left, add(hist, ids, vals, ok)])
