@@ -30,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -257,11 +258,13 @@ def _add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
 
 
 def write_gguf(hf_model_dir: str | Path, out_path: str | Path, types: dict[str, str] | str, *, split: int = 1,
-               placeholder_bytes: bool = False, name: str | None = None) -> list[Path]:
+               placeholder_bytes: bool = False, name: str | None = None,
+               tamper: Callable[[str, np.ndarray], np.ndarray] | None = None) -> list[Path]:
     """Writes the model of ``hf_model_dir`` to ``out_path`` (``split`` > 1: that many
     parts, ``stem-0000i-of-0000N.gguf`` beside it) with each matrix in the type
     ``types`` gives it (``Q4_K_M`` above is a mix). Returns the files written, the one to
-    load first."""
+    load first. ``tamper(gguf_name, array)`` may replace a tensor before it is written
+    (hostile files); a 1-dimensional tensor ``types`` names explicitly is quantized too."""
     from gguf import GGML_QUANT_VERSION, GGUFWriter
     from safetensors.torch import load_file
 
@@ -310,7 +313,9 @@ def write_gguf(hf_model_dir: str | Path, out_path: str | Path, types: dict[str, 
     writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_tokenizer(writer, folder, config["vocab_size"])
     for g, array in tensors:
-        if array.ndim == 1:  # norms and biases stay F32
+        if tamper is not None:
+            array = tamper(g, array)
+        if array.ndim == 1 and not (isinstance(types, dict) and g in types):  # norms and biases stay F32
             writer.add_tensor(g, np.ascontiguousarray(array, dtype=np.float32))
             continue
         data, raw_dtype = quantize_tensor(array, type_for(g, types), placeholder_bytes)

@@ -105,3 +105,13 @@ def test_malformed_weights_are_refused_by_name():
         QuantizedWeight(codes, torch.zeros(4, 2, dtype=torch.float16), torch.zeros(4, 1), 4, 32, 32, "test")
     with pytest.raises(ValueError, match="do not divide into groups"):
         QuantizedWeight(codes, torch.zeros(4, 1), torch.zeros(4, 1), 4, 24, 32, "test")
+    with pytest.raises(ValueError, match="even number of inputs"):  # 4-bit codes two to a byte
+        QuantizedWeight(torch.zeros(4, 1, dtype=torch.uint8), torch.zeros(4, 3), torch.zeros(4, 3), 4, 1, 3, "test")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="test: its scales hold NaN or infinite values"):
+            QuantizedWeight(codes, torch.full((4, 1), bad), torch.zeros(4, 1), 4, 32, 32, "test")
+        with pytest.raises(ValueError, match="test: its offsets hold NaN or infinite values"):
+            QuantizedWeight(codes, torch.ones(4, 1), torch.full((4, 1), bad), 4, 32, 32, "test")
+    odd = QuantizedWeight(torch.zeros(4, 6, dtype=torch.uint8), torch.ones(4, 4), torch.zeros(4, 4), 4, 3, 12, "odd")
+    with pytest.raises(ValueError, match="cut bytes of packed 4-bit codes"):
+        odd.input_columns(3, 9)

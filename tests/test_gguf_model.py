@@ -423,6 +423,35 @@ def test_a_split_file_missing_a_part_names_it(files, tmp_path):
         assert "tiny-00002-of-00003.gguf" in str(exc) and "missing" in str(exc)
 
 
+def _nan_in_one_block(name: str, array: np.ndarray) -> np.ndarray:
+    if name == "blk.0.ffn_up.weight":
+        array = array.copy()
+        array[0, 0] = np.nan
+    return array
+
+
+HOSTILE_TENSORS = {
+    # a float tensor of the wrong size, and one of the right size in the wrong shape
+    "short norm": ("F32", lambda n, a: a[: len(a) // 2] if n == "output_norm.weight" else a, "output_norm.weight"),
+    "transposed embedding": ("F32", lambda n, a: np.ascontiguousarray(a.T) if n == "token_embd.weight" else a,
+                             "token_embd.weight"),
+    # a quantized tensor where a layer's 1-dimensional weight belongs
+    "quantized norm": ({"output_norm.weight": "Q8_0", "*": "Q8_0"}, None, "output_norm.weight"),
+    # a NaN in the weights gives a NaN block scale
+    "NaN scale": ("Q8_0", _nan_in_one_block, "NaN"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TENSORS))
+def test_a_tensor_the_file_got_wrong_is_refused_naming_it(files, tmp_path, case):
+    types, tamper, named = HOSTILE_TENSORS[case]
+    path = tmp_path / "bad.gguf"
+    write_gguf(files.model_dir(), path, types, tamper=tamper)
+    exc = load_error(str(path))
+    assert isinstance(exc, ModelLoadError), repr(exc)
+    assert "bad.gguf" in str(exc) and named in str(exc), str(exc)
+
+
 @pytest.mark.parametrize(("quantization", "message"), [
     ("compressed-tensors", "does not match"), ("awq", "does not match"), ("int4", "already gguf"),
     ("int8", "already gguf"),

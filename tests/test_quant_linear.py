@@ -343,6 +343,16 @@ def test_what_the_kernel_cannot_run_is_refused():
         OPS.quant_linear(y, x, layer.codes, layer.groups, torch.zeros(16), 16)
     with pytest.raises(RuntimeError, match="quant_linear: this CPU has no neon"):
         OPS.quant_linear(y, x, layer.codes, layer.groups, None, 16, "neon")
+    # the unpacking entry points check the panels as the product does (no read past them)
+    big_codes = torch.zeros(64, 32, 16, dtype=torch.uint8)  # 64 panels, one panel of groups
+    for call in (lambda c, g, size: OPS.dequantize_quant_panels(c, g, size, 0, 1),
+                 lambda c, g, size: OPS.quant_panel_rows(c, g, size, torch.tensor([0]))):
+        with pytest.raises(RuntimeError, match="codes must be .* and groups"):
+            call(big_codes, layer.groups, 16)
+        with pytest.raises(RuntimeError, match="codes must be .* and groups"):
+            call(layer.codes[:, :, :8].contiguous(), layer.groups, 16)
+        with pytest.raises(RuntimeError, match="group_size must be positive"):
+            call(layer.codes, layer.groups, 0)
 
 
 # -- 4. the swap ----------------------------------------------------------------------------------

@@ -189,14 +189,30 @@ class Checkpoints:
                 self.folder(name), quantization_config=CompressedTensorsConfig(dequantize=True))
         return self._references[name]
 
-    def edited(self, name: str, edit) -> Path:
-        """A copy of ``VARIANTS``' llama W4A16 folder whose config.json ``edit`` changed."""
+    def edited(self, name: str, edit, variant: str = "llama-w4a16-g32-sym") -> Path:
+        """A copy of ``VARIANTS[variant]``'s folder whose config.json ``edit`` changed."""
         target = self.root / f"edited-{name}"
         shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(self.folder("llama-w4a16-g32-sym"), target)
+        shutil.copytree(self.folder(variant), target)
         config = json.loads((target / "config.json").read_text())
         edit(config)
         (target / "config.json").write_text(json.dumps(config))
+        return target
+
+
+    def tensors_edited(self, variant: str, name: str, edit) -> Path:
+        """A copy of ``VARIANTS[variant]``'s folder whose tensors ``edit`` changed (it gets
+        the name -> tensor dict and changes it in place)."""
+        from safetensors.torch import load_file, save_file
+
+        target = self.root / f"tensors-{name}"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(self.folder(variant), target)
+        files = sorted(target.glob("*.safetensors"))
+        assert len(files) == 1, files
+        tensors = load_file(str(files[0]))
+        edit(tensors)
+        save_file(tensors, str(files[0]), metadata={"format": "pt"})
         return target
 
 
@@ -355,6 +371,49 @@ def test_hostile_quantization_config_is_refused_naming_it(checkpoints, case):
 def test_malformed_quantization_config_is_refused_naming_it(checkpoints, value):
     folder = checkpoints.edited(f"qc-{type(value).__name__}", lambda c: c.update(quantization_config=value))
     with pytest.raises(ModelLoadError, match="quantization_config"):
+        load_model(str(folder))
+
+
+def _set(key: str, value):
+    return lambda t: t.__setitem__(key, value(t[key]))
+
+
+def _drop(key: str):
+    return lambda t: t.pop(key)
+
+
+LAYER = "model.layers.0.self_attn.q_proj"
+HOSTILE_TENSORS = {
+    "no zero point": ("llama-w4a16-g32-asym", _drop(f"{LAYER}.weight_zero_point"), "weight_zero_point"),
+    "zero point of one group": ("llama-w4a16-g32-asym", _set(f"{LAYER}.weight_zero_point", lambda z: z[:, :1].clone()),
+                                "weight_zero_point"),
+    "scales of no group": ("llama-w4a16-g32-sym", _set(f"{LAYER}.weight_scale", lambda s: s[:, :0].clone()),
+                           "weight_scale"),
+    "scales in three dimensions": ("llama-w4a16-g32-sym", _set(f"{LAYER}.weight_scale", lambda s: s.unsqueeze(-1)),
+                                   "weight_scale"),
+    "a NaN scale": ("llama-w8a16-channel", _set(f"{LAYER}.weight_scale", lambda s: s.fill_(float("nan"))), "NaN"),
+    "packed codes cut short": ("llama-w4a16-g32-sym", _set(f"{LAYER}.weight_packed", lambda w: w[:, :-1].clone()),
+                               "weight_packed"),
+    "a bias missing": ("qwen2-w4a16-g32-asym", _drop(f"{LAYER}.bias"), f"{LAYER}.bias"),
+    "a bias too long": ("qwen2-w4a16-g32-asym", _set(f"{LAYER}.bias", lambda b: torch.cat([b, b])), f"{LAYER}.bias"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TENSORS))
+def test_hostile_tensors_are_refused_naming_them(checkpoints, case):
+    variant, edit, named = HOSTILE_TENSORS[case]
+    folder = checkpoints.tensors_edited(variant, case.replace(" ", "-"), edit)
+    with pytest.raises(ModelLoadError, match=named) as info:
+        load_model(str(folder))
+    assert isinstance(info.value, ValueError)
+
+
+def test_naive_codes_outside_their_bits_are_refused(checkpoints):
+    """int8 codes under a config that says 4 bits: packed two to a byte, a code past 15
+    would leak into its neighbour's nibble."""
+    folder = checkpoints.edited("naive-as-int4", lambda c: _group(c)["weights"].update(num_bits=4),
+                                variant="llama-int8-naive-channel")
+    with pytest.raises(ModelLoadError, match="outside the 4-bit range"):
         load_model(str(folder))
 
 

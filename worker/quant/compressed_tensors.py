@@ -67,6 +67,11 @@ def load_compressed_model(path: str, dtype: torch.dtype, attn_implementation: st
         linear = modules[name]
         weight = _quantized_weight(tensors, name, scheme.weights, qconfig.format, (linear.out_features, linear.in_features))
         bias = tensors.get(f"{name}.bias")
+        if linear.bias is not None and bias is None:
+            raise ValueError(f"the checkpoint lacks {name}.bias")
+        if bias is not None and (linear.bias is None or tuple(bias.shape) != (linear.out_features,)):
+            raise ValueError(f"{name}.bias is {list(bias.shape)} in the checkpoint, the model expects "
+                             f"{[linear.out_features] if linear.bias is not None else 'none'}")
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, QuantizedLinear(weight, bias))
         formats[weight.format] = formats.get(weight.format, 0) + 1
@@ -112,19 +117,28 @@ def _quantized_weight(tensors: _Checkpoint, name: str, args: Any, fmt: str, shap
     bits = int(args.num_bits)
     if fmt == "pack-quantized":
         packed = tensors.need(f"{name}.weight_packed")
+        words = -(-k * bits // 32)
+        if packed.dtype != torch.int32 or tuple(packed.shape) != (n, words):
+            raise ValueError(f"{name}.weight_packed is {packed.dtype} {list(packed.shape)}, a {n}x{k} layer of "
+                             f"int{bits} packs into int32 {[n, words]}")
         q = unpack_from_int32(packed, bits, torch.Size(shape))
     else:
         q = tensors.need(f"{name}.weight")
         if q.dtype != torch.int8:
             raise ValueError(f"{name}.weight is {q.dtype}, not int8 codes")
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        if q.numel() and (int(q.min()) < low or int(q.max()) > high):
+            raise ValueError(f"{name}.weight holds codes outside the {bits}-bit range [{low}, {high}]")
     if tuple(q.shape) != shape:
         raise ValueError(f"{name}'s codes are {list(q.shape)}, the layer is {list(shape)}")
     scale = tensors.need(f"{name}.weight_scale").float()
+    if scale.dim() > 2 or scale.numel() == 0:
+        raise ValueError(f"{name}.weight_scale is {list(scale.shape)}, which does not fit a {n}x{k} layer")
     groups = scale.shape[1] if scale.dim() == 2 else 1
     if scale.numel() == 1:
         scale = scale.reshape(1, 1).expand(n, 1)
         groups = 1
-    if scale.shape[0] != n or k % groups:
+    if scale.shape[0] != n or groups < 1 or k % groups:
         raise ValueError(f"{name}.weight_scale is {list(scale.shape)}, which does not fit a {n}x{k} layer")
     group = k // groups
     strategy = str(getattr(args.strategy, "value", args.strategy))
@@ -132,13 +146,22 @@ def _quantized_weight(tensors: _Checkpoint, name: str, args: Any, fmt: str, shap
         raise ValueError(f"{name}: the config says groups of {args.group_size}, its scales hold groups of {group}")
     if strategy in ("channel", "tensor") and groups != 1:
         raise ValueError(f"{name}: the {strategy} strategy has one scale per row, its scales hold {groups}")
-    zero = tensors.get(f"{name}.weight_zero_point")
-    if zero is None or args.symmetric:
+    if args.symmetric:
         zero = torch.zeros(n, groups)
-    elif zero.dtype == torch.int32:  # packed along the outputs
-        zero = unpack_from_int32(zero, bits, torch.Size((n, groups)), packed_dim=0).float()
     else:
-        zero = zero.float().reshape(n, groups) if zero.numel() > 1 else zero.float().reshape(1, 1).expand(n, groups)
+        zero = tensors.need(f"{name}.weight_zero_point")
+        if zero.dtype == torch.int32:  # packed along the outputs
+            rows_packed = -(-n * bits // 32)
+            if tuple(zero.shape) != (rows_packed, groups):
+                raise ValueError(f"{name}.weight_zero_point is {list(zero.shape)} packed, a {n}x{k} layer in "
+                                 f"{groups} groups needs {[rows_packed, groups]}")
+            zero = unpack_from_int32(zero, bits, torch.Size((n, groups)), packed_dim=0).float()
+        elif zero.numel() == 1:
+            zero = zero.float().reshape(1, 1).expand(n, groups)
+        elif zero.numel() == n * groups and zero.dim() <= 2 and zero.shape[0] == n:
+            zero = zero.float().reshape(n, groups)
+        else:
+            raise ValueError(f"{name}.weight_zero_point is {list(zero.shape)}, the scales are {[n, groups]}")
     shift = 2 ** (bits - 1)
     codes = (q.to(torch.int16) + shift).to(torch.uint8)
     scale = scale.reshape(n, groups).contiguous()

@@ -174,24 +174,13 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
         hf_name = names.get(tensor.name)
         if hf_name is None:
             raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} has no place in {type(model).__name__}")
-        type_name = tensor.type_name
-        if type_name in FLOAT_TYPES:
-            values = _float_values(tensor.data, type_name)
-            values = processor.process(weights=values, name=tensor.name).weights
-            _set_param(params, hf_name, values, tensor.name)
-            formats[type_name] = formats.get(type_name, 0) + 1
-        elif type_name in READERS:
-            if type(processor).__name__ not in ROW_PROCESSORS:
-                raise GGUFError(f"{os.path.basename(path)} ({arch}): its tensors cannot be kept quantized "
-                                f"(transformers' {type(processor).__name__} computes on them); "
-                                "quantization='none' dequantizes the file")
-            raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
-            weight = quantized_weight(raw, type_name)
-            _place_quantized(model, modules, hf_name, weight, tensor.name)
-            formats[weight.format] = formats.get(weight.format, 0) + 1
-        else:
-            raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} is {type_name}, which raydecode "
-                            f"does not run (supported: {', '.join([*READERS, *FLOAT_TYPES])})")
+        try:
+            formats_of = _load_tensor(model, modules, params, processor, tensor, hf_name, arch)
+        except GGUFError as exc:
+            raise GGUFError(f"{os.path.basename(path)}: {exc}") from None
+        except (ValueError, IndexError, RuntimeError) as exc:  # numpy's and torch's, on shapes the file got wrong
+            raise GGUFError(f"{os.path.basename(path)}: tensor {tensor.name} cannot be loaded: {exc}") from None
+        formats[formats_of] = formats.get(formats_of, 0) + 1
         filled.add(hf_name)
     if config.tie_word_embeddings:
         _tie_output_embedding(model)
@@ -200,6 +189,31 @@ def load_gguf_model(path: str, *, attn_implementation: str | None = None, trust_
     if missing:
         raise GGUFError(f"{os.path.basename(path)} lacks the tensors of {missing[:5]}")
     return GGUFModel(model, config, folder, formats)
+
+
+def _load_tensor(model: nn.Module, modules: dict[str, nn.Module], params: dict[str, nn.Parameter], processor: Any,
+                 tensor: Tensor, hf_name: str, arch: str) -> str:
+    """Puts one tensor of the file into the model: a float one into its parameter, a
+    quantized one as its layer's QuantizedWeight. Returns its format."""
+    type_name = tensor.type_name
+    if type_name in FLOAT_TYPES:
+        values = _float_values(tensor.data, type_name)
+        values = processor.process(weights=values, name=tensor.name).weights
+        _set_param(params, hf_name, values, tensor.name)
+        return type_name
+    if type_name in READERS:
+        if type(processor).__name__ not in ROW_PROCESSORS:
+            raise GGUFError(f"({arch}) its tensors cannot be kept quantized (transformers' "
+                            f"{type(processor).__name__} computes on them); quantization='none' dequantizes the file")
+        raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
+        if raw.ndim != 2:
+            raise GGUFError(f"tensor {tensor.name} is {type_name} with {raw.ndim} dimensions: only a layer's "
+                            "2-dimensional weight is read quantized")
+        weight = quantized_weight(raw, type_name)
+        _place_quantized(model, modules, hf_name, weight, tensor.name)
+        return weight.format
+    raise GGUFError(f"tensor {tensor.name} is {type_name}, which raydecode does not run (supported: "
+                    f"{', '.join([*READERS, *FLOAT_TYPES])})")
 
 
 @dataclass
@@ -256,6 +270,8 @@ def _set_param(params: dict[str, nn.Parameter], hf_name: str, values: np.ndarray
     param = params.get(hf_name)
     if param is None:
         raise GGUFError(f"tensor {gguf_name} maps to {hf_name}, which the model does not have")
+    if tuple(np.squeeze(values).shape) != tuple(size for size in param.shape if size != 1):
+        raise GGUFError(f"tensor {gguf_name} is {list(np.shape(values))}, {hf_name} is {list(param.shape)}")
     tensor = torch.from_numpy(np.ascontiguousarray(values)).reshape(param.shape).to(param.dtype)
     param.data = tensor
 

@@ -49,6 +49,8 @@ class QuantizedWeight:
             raise ValueError(f"{self.format}: codes of {self.bits} bits (4 to 8 are stored)")
         if g < 1 or k % g:
             raise ValueError(f"{self.format}: {k} inputs do not divide into groups of {g}")
+        if self.packed and k % 2:
+            raise ValueError(f"{self.format}: 4-bit codes need an even number of inputs, got {k}")
         width = k // 2 if self.packed else k
         if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (n, width):
             raise ValueError(f"{self.format}: codes must be uint8 [{n}, {width}], got {self.codes.dtype} "
@@ -57,6 +59,8 @@ class QuantizedWeight:
             t = getattr(self, name)
             if t.dtype != torch.float32 or tuple(t.shape) != (n, k // g):
                 raise ValueError(f"{self.format}: {name} must be float32 [{n}, {k // g}], got {t.dtype} {list(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{self.format}: its {name} hold NaN or infinite values")
 
     @property
     def out_features(self) -> int:
@@ -122,6 +126,8 @@ class QuantizedWeight:
         if start % g or stop % g:
             raise ValueError(f"{self.format}: inputs [{start}, {stop}) cut groups of {g}")
         per_byte = 2 if self.packed else 1
+        if start % per_byte or stop % per_byte:
+            raise ValueError(f"{self.format}: inputs [{start}, {stop}) cut bytes of packed 4-bit codes")
         return replace(self, codes=self.codes[:, start // per_byte : stop // per_byte].contiguous(),
                        scales=self.scales[:, start // g : stop // g].contiguous(),
                        offsets=self.offsets[:, start // g : stop // g].contiguous(), in_features=stop - start)

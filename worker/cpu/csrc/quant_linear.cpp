@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -453,17 +454,34 @@ torch::Tensor pack_quant_groups(const torch::Tensor& scales, const torch::Tensor
   return both;
 }
 
+// The checks every entry point over quantized panels makes: codes [P, K / 2 | K, 16],
+// groups [P, K / g, 32], whole groups (even ones for 4-bit codes). Returns K and
+// whether the codes are packed two to a byte.
+std::pair<int64_t, bool> check_panels(const char* who, const torch::Tensor& codes, const torch::Tensor& groups,
+                                      int64_t g) {
+  check(codes, "codes", torch::kUInt8, 3);
+  check(groups, "groups", groups.scalar_type() == torch::kFloat16 ? torch::kFloat16 : torch::kFloat32, 3);
+  TORCH_CHECK(g > 0, who, ": group_size must be positive, got ", g);
+  const int64_t K = groups.size(1) * g;
+  const bool packed = codes.size(1) * 2 == K;
+  TORCH_CHECK(codes.size(0) == groups.size(0) && codes.size(2) == PANEL && groups.size(2) == 2 * PANEL &&
+                  (packed || codes.size(1) == K),
+              who, ": codes must be [P, K / 2, 16] (4-bit) or [P, K, 16] and groups [P, K / g, 32]");
+  TORCH_CHECK(!packed || g % 2 == 0, who, ": 4-bit codes need even groups");
+  return {K, packed};
+}
+
 // W^T [K, 16 (p1 - p0)] in float32 of panels [p0, p1): a prefill chunk's weights for a
 // library GEMM (``rows @ W^T`` as one ``mm``), each panel's 16 outputs a row of 16
 // floats at each k, the kernel's values (one rounding).
 torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::Tensor& groups, int64_t group_size,
                                       int64_t p0, int64_t p1) {
-  check(codes, "codes", torch::kUInt8, 3);
+  const std::pair<int64_t, bool> shape = check_panels("dequantize_quant_panels", codes, groups, group_size);
+  const int64_t K = shape.first;
+  const bool packed = shape.second;
   const bool half = groups.scalar_type() == torch::kFloat16;
-  check(groups, "groups", half ? torch::kFloat16 : torch::kFloat32, 3);
-  const int64_t P = codes.size(0), g = group_size, K = groups.size(1) * g;
+  const int64_t P = codes.size(0), g = group_size;
   TORCH_CHECK(0 <= p0 && p0 <= p1 && p1 <= P, "dequantize_quant_panels: panels out of range");
-  const bool packed = codes.size(1) * 2 == K;
   const QArgs a{nullptr, codes.data_ptr<uint8_t>(), groups.data_ptr(), nullptr, nullptr, 0, K, P * PANEL, g, packed,
                 half};
   const int64_t ld = (p1 - p0) * PANEL;
@@ -498,13 +516,13 @@ torch::Tensor dequantize_quant_panels(const torch::Tensor& codes, const torch::T
 // output layer's panels (the table is stored once).
 torch::Tensor quant_panel_rows(const torch::Tensor& codes, const torch::Tensor& groups, int64_t group_size,
                                const torch::Tensor& ids) {
-  check(codes, "codes", torch::kUInt8, 3);
+  const std::pair<int64_t, bool> shape = check_panels("quant_panel_rows", codes, groups, group_size);
+  const int64_t K = shape.first;
+  const bool packed = shape.second;
   const bool half = groups.scalar_type() == torch::kFloat16;
-  check(groups, "groups", half ? torch::kFloat16 : torch::kFloat32, 3);
   TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && ids.scalar_type() == torch::kLong,
               "quant_panel_rows: ids must be a 1-dimensional int64 CPU tensor");
-  const int64_t P = codes.size(0), N = P * PANEL, g = group_size, K = groups.size(1) * g;
-  const bool packed = codes.size(1) * 2 == K;
+  const int64_t P = codes.size(0), N = P * PANEL, g = group_size;
   const QArgs a{nullptr, codes.data_ptr<uint8_t>(), groups.data_ptr(), nullptr, nullptr, 0, K, N, g, packed, half};
   const int64_t R = ids.size(0);
   const auto id = ids.contiguous();
