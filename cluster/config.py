@@ -107,9 +107,9 @@ class EngineConfig(WorkerConfig, kw_only=True):
                 self.scheduling_policy)
         require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
                 "true, false or None", self.async_scheduling)
-        if self.async_scheduling and self.num_spec_tokens:
-            raise ValueError("async_scheduling cannot be combined with num_spec_tokens > 0 "
-                             "(speculative decoding): the next step depends on the accepted drafts")
+        if self.async_scheduling and self.spec_tokens:
+            raise ValueError("async_scheduling cannot be combined with speculative decoding (num_spec_tokens or "
+                             "speculative_config): the next step depends on the accepted drafts")
         for name in ("worker_num_cpus", "worker_num_gpus"):
             value = getattr(self, name)
             if value is not None:
@@ -120,7 +120,7 @@ class EngineConfig(WorkerConfig, kw_only=True):
         """Whether the engine plans a step ahead for workers on ``device``
         (``async_scheduling`` resolved)."""
         if self.async_scheduling is None:
-            return self.num_spec_tokens == 0 and not device.startswith("cpu")
+            return self.spec_tokens == 0 and not device.startswith("cpu")
         return self.async_scheduling
 
     def worker_config(self) -> WorkerConfig:

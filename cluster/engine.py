@@ -68,7 +68,7 @@ class LLMEngine:
             #: steps a pipeline-parallel worker keeps in flight (vLLM's virtual engines:
             #: stage 1 runs one batch while stage 2 finishes the one before); 1 with
             #: speculative decoding (the next step's drafts need this one's tokens)
-            self.pipeline_in_flight = config.pipeline_parallel_size if not config.num_spec_tokens else 1
+            self.pipeline_in_flight = config.pipeline_parallel_size if not config.spec_tokens else 1
             if config.group_size > 1:  # refused before any actor starts
                 check_model_parallel(config.model, config.tensor_parallel_size, config.pipeline_parallel_size,
                                      config.pipeline_layer_partition, config.trust_remote_code, config.quantization)
@@ -130,7 +130,7 @@ class LLMEngine:
             kv_blocks=info.num_kv_blocks,
             kv_block_size=info.kv_block_size,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
-            num_spec_tokens=c.num_spec_tokens,
+            num_spec_tokens=c.spec_tokens,
             decodes_first=c.decodes_first,
             enable_prefix_caching=c.enable_prefix_caching,
             exclude_in_flight=self.pipeline_in_flight > 1,

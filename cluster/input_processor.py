@@ -89,7 +89,7 @@ class InputProcessor:
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                 f"max_model_len is {limit} (at most {limit - len(ids)} new tokens)"
             )
-        if len(ids) + max_tokens + c.num_spec_tokens > self.max_kv_tokens:
+        if len(ids) + max_tokens + c.spec_tokens > self.max_kv_tokens:
             raise ValueError(
                 f"the request needs {len(ids) + max_tokens} KV tokens; a worker holds at most "
                 f"{self.max_kv_tokens} (kv_cache_tokens)"

@@ -227,7 +227,7 @@ class WorkerScheduler:
                 continue  # its last token is being sampled; the reply will free it
             if self.exclude_in_flight and seq.num_inflight_tokens:
                 continue  # a step in flight runs it: the next one after that reply
-            n = min(seq.num_unscheduled_tokens, budget, self.chunk_limit)
+            n = self._chunk(seq, seq.num_unscheduled_tokens, budget)
             if n <= 0:
                 continue
             need = self._blocks_needed(seq, n)
@@ -315,6 +315,17 @@ class WorkerScheduler:
         self.step_id += 1
         return ScheduledStep(message, rows, num_tokens, num_samples), preempted
 
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """The tokens ``seq`` runs next out of its ``remaining`` ones. Under speculative
+        decoding a sequence that resumes with output (preempted, or moved off a lost
+        worker) recomputes all but its last token first: that one then decodes alone,
+        with the drafts it had there, so its random stream (seeded rows) continues as
+        if nothing happened."""
+        n = min(remaining, budget, self.chunk_limit)
+        if self.num_spec_tokens and n == remaining > 1 and seq.output_token_ids:
+            n -= 1
+        return n
+
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         """Blocks ``seq`` must gain to run ``n`` more tokens (drafts included when the
         step finishes its known tokens and may propose some)."""
@@ -346,7 +357,7 @@ class WorkerScheduler:
         keys = self.reusable_prefix(seq)
         hit = blocks.cached_prefix(keys)
         computed = hit * self.block_size
-        n = min(seq.num_tokens - computed, budget, self.chunk_limit)
+        n = self._chunk(seq, seq.num_tokens - computed, budget)
         drafts = self.num_spec_tokens if n == seq.num_tokens - computed else 0
         need = max(0, self.blocks_for(computed + n + drafts) - hit)
         # Cached blocks nobody holds sit on the free list: taking them uses it up too.

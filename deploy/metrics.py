@@ -96,7 +96,7 @@ class EngineCollector:
         for reason in dict.fromkeys([*FINISH_REASONS, *snap.request_success]):
             success.add_metric(labels + [reason], snap.request_success.get(reason, 0))
         yield success
-        if engine.config.num_spec_tokens > 0:  # as vLLM: only with speculative decoding on
+        if engine.config.spec_tokens > 0:  # as vLLM: only with speculative decoding on
             yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", snap.spec_decode_num_drafts)
             yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
                           snap.spec_decode_num_draft_tokens)

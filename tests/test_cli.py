@@ -124,6 +124,11 @@ def test_engine_flags_take_vllms_names_and_json():
     assert engine_kwargs(_parser().parse_args(["serve", "--logits-processors", '["x:Y"]']))["logits_processors"] == ["x:Y"]
     old = engine_kwargs(_parser().parse_args(["serve", "--num-workers", "3", "--kv-block-size", "4", "--no-decodes-first"]))
     assert old == {"num_workers": 3, "kv_block_size": 4, "decodes_first": False}
+    spec = '{"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 3}'
+    kwargs = engine_kwargs(_parser().parse_args(["serve", "--speculative-config", spec]))
+    assert kwargs == {"speculative_config": {"method": "draft_model", "model": "self", "quantization": "int4",
+                                             "num_speculative_tokens": 3}}
+    assert EngineConfig(**kwargs).spec_tokens == 3
     gen = _parser().parse_args(["generate", "hi", "--seed", "7", "--engine-seed", "9"])
     assert gen.seed == 7 and engine_kwargs(gen) == {"seed": 9}  # generate's --seed samples; the engine's is renamed
 

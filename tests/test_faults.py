@@ -738,11 +738,21 @@ class TestOneWorker:
                     pool.lost(slot, "test cleanup")
 
 
-def test_sigkill_with_speculative_decoding(ray_local, tiny_model_path):
-    """n-gram drafts on: the kill comes once drafts were accepted and a seeded random
-    row has had drafts verified (each verification draws from the row's generator)."""
-    llm = LLM(tiny_model_path, num_workers=1, max_num_seqs=8, num_spec_tokens=3, max_num_batched_tokens=64,
-              no_worker_timeout_s=100, **COMMON)
+SPEC_CONFIGS = {
+    "ngram": {"num_spec_tokens": 3},
+    # the target's own int8 copy on its KV, drafting at every batch size
+    "self-draft": {"speculative_config": {"method": "draft_model", "model": "self", "quantization": "int8",
+                                          "num_speculative_tokens": 3, "disable_by_batch_size": 99}},
+}
+
+
+@pytest.mark.parametrize("spec", list(SPEC_CONFIGS))
+def test_sigkill_with_speculative_decoding(ray_local, tiny_model_path, spec):
+    """Drafts on (n-gram, or a draft model): the kill comes once drafts were accepted and
+    a seeded random row has had drafts verified (each verification draws from the row's
+    generator)."""
+    llm = LLM(tiny_model_path, num_workers=1, max_num_seqs=8, max_num_batched_tokens=64,
+              no_worker_timeout_s=100, **SPEC_CONFIGS[spec], **COMMON)
     engine = llm.engine
     try:
         reference = References(llm)("spec")

@@ -255,11 +255,11 @@ class Simulation:
                 self.stats["chunk"] += 1
         left = cfg.budget
         for s in kept:
-            expect = min(s.num_uncomputed_tokens, left, self.chunk)
+            expect = self.chunk_of(s, s.num_uncomputed_tokens, left)
             assert n_of[id(s)] == expect, f"{s.seq_id}: {n_of[id(s)]} tokens, expected {expect}"
             left -= expect
         for s in admitted:
-            expect = min(s.num_tokens, left, self.chunk)
+            expect = self.chunk_of(s, s.num_tokens, left)
             assert expect > 0 and n_of[id(s)] == expect
             left -= expect
         if not preempted:
@@ -283,12 +283,20 @@ class Simulation:
         self.stats["steps"] += 1
         return step
 
+    def chunk_of(self, s: Sequence, remaining: int, left: int) -> int:
+        """The tokens a sequence runs out of ``remaining``: under speculative decoding a
+        resumed one (it has output) leaves its last token for a decode step of its own."""
+        n = min(remaining, left, self.chunk)
+        if self.cfg.num_spec_tokens and n == remaining > 1 and s.output_token_ids:
+            n -= 1
+        return n
+
     def check_head_blocked(self, left: int, share: int) -> None:
         """Admission stopped only for a reason: no budget, no row, or no KV blocks."""
         head = self.waiting.peek()
         if head is None:
             return
-        n = min(head.num_tokens, left, self.chunk)
+        n = self.chunk_of(head, head.num_tokens, left)
         drafts = self.cfg.num_spec_tokens if n == head.num_tokens else 0
         assert (
             left <= 0
@@ -306,7 +314,7 @@ class Simulation:
             if s.sort_key != low:
                 continue
             b = before[id(s)]
-            n = min(b.uncomputed, left, self.chunk)
+            n = self.chunk_of(s, b.uncomputed, left)
             drafts = self.cfg.num_spec_tokens if n == b.uncomputed else 0
             if free < b.blocks:
                 ok = True

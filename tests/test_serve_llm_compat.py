@@ -141,8 +141,12 @@ def test_vllm_names_raydecode_shares_or_renames():
     }, "/models/m")
     assert server == {"num_workers": 2, "chat_template": "{{ messages }}",
                       "structured_outputs_config": {"disable_any_whitespace": True}}
-    assert engine == {"kv_block_size": 32, "distributed_timeout_s": 90, "cuda_graphs": False, "num_spec_tokens": 3,
-                      "ngram_min": 2, "ngram_max": 5, "dtype": "float16", "seed": 7, "worker_num_cpus": 0.5}
+    assert engine == {"kv_block_size": 32, "distributed_timeout_s": 90, "cuda_graphs": False,
+                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                             "prompt_lookup_max": 5},
+                      "dtype": "float16", "seed": 7, "worker_num_cpus": 0.5}
+    draft = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    assert map_engine_kwargs({"speculative_config": draft}, "m")[1] == {"speculative_config": draft}
     assert key == "sk-1"
     # vLLM's default (graphs where they apply) is ours: nothing forced, CPU workers stay eager
     assert map_engine_kwargs({"enforce_eager": False, "dtype": "float"}, "m")[1] == {"dtype": "float32"}
@@ -158,7 +162,10 @@ REFUSED = [
     (llm(engine_kwargs={"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}}),
      r"engine_kwargs\.kv_transfer_config: prefill/decode disaggregation .* not supported"),
     (llm(engine_kwargs={"speculative_config": {"method": "eagle", "model": "x", "num_speculative_tokens": 2}}),
-     r"speculative_config: method 'eagle' is vLLM-only"),
+     r"engine_kwargs\.speculative_config\.method: 'eagle' is not run by raydecode"),
+    (llm(engine_kwargs={"speculative_config": {"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
+                                               "draft_tensor_parallel_size": 2}}),
+     r"engine_kwargs\.speculative_config: Object contains unknown field `draft_tensor_parallel_size`"),
     (llm(engine_kwargs={"enable_chunked_prefill": False}), r"enable_chunked_prefill: only True"),
     (llm(engine_kwargs={"enforce_eager": "yes"}), r"engine_kwargs\.enforce_eager: expected true or false"),
     (llm(engine_kwargs={"distributed_executor_backend": "mp"}), r"distributed_executor_backend: only 'ray'"),

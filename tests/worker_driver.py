@@ -39,6 +39,9 @@ class Req:
     prompt_logprobs: list[tuple[list[int], list[float], int]] = field(default_factory=list)
     num_drafts: int = 0
     num_accepted: int = 0
+    #: uniforms the request's seeded generator drew (one a sampling step, two a
+    #: verified draft), as the engine counts them to resume a request elsewhere
+    draws: int = 0
     error: str | None = None
     blocks: list[int] = field(default_factory=list)
 
@@ -68,10 +71,12 @@ class MiniDriver:
         num_blocks: int | None = None,
         block_size: int = 16,
         spare_tokens: int = 8,
+        resume_last_alone: bool = False,
     ) -> None:
         self.step_fn = step_fn
         self.block_size = block_size
         self.spare_tokens = spare_tokens
+        self.resume_last_alone = resume_last_alone
         # The worker's pool holds at least max_rows rows of 256 tokens (the tests' size).
         self.free_blocks = list(range(num_blocks if num_blocks is not None else max_rows * (256 // block_size)))
         random.Random(7).shuffle(self.free_blocks)
@@ -120,6 +125,7 @@ class MiniDriver:
             added.append(AddedRequest(
                 row=row, request_id=req.request_id, params=req.params,
                 prompt_token_ids=Int32Array.of(req.prompt), output_token_ids=Int32Array.of(req.output),
+                num_generator_draws=req.draws if req.output else None,
             ))
         moved = []
         # Condense: the highest occupied row fills the lowest hole.
@@ -148,6 +154,8 @@ class MiniDriver:
             left = r.known - r.computed
             if left > 1 and budget > 0:
                 sched[i] = min(left, self.chunk, budget)
+                if self.resume_last_alone and r.output and sched[i] == left:
+                    sched[i] -= 1  # a resumed row's last token decodes alone (the engine's rule)
                 budget -= sched[i]
         gained = []  # an added row arrives with no blocks: all of its come from here
         for i, r in enumerate(slots):
@@ -197,6 +205,7 @@ class MiniDriver:
                 r.computed = before + m - 1
                 r.num_drafts += int(drafts[i])
                 r.num_accepted += int(accepted[i])
+                r.draws += 1 + 2 * int(drafts[i])
         if reply.prompt_logprobs_width:
             pw = reply.prompt_logprobs_width
             ids = reply.prompt_logprob_token_ids.numpy().reshape(-1, pw)

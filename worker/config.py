@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from sampler.config import DEFAULT_MAX_LOGPROBS, LogprobsMode, SamplerConfig, check_logprobs_options
+from worker.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
 def is_int(value: object) -> bool:
@@ -113,8 +114,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: ``RAY_worker_niceness`` says otherwise)
     cpu_worker_niceness: int | None = 15
     # -- sampling -----------------------------------------------------------------
-    #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0: off
+    #: n-gram (prompt lookup) draft tokens per decode step for speculative decoding; 0:
+    #: off (the shorthand of ``speculative_config`` with method ngram)
     num_spec_tokens: int = 0
+    #: speculative decoding in vLLM's shape: {"method": "ngram" | "draft_model",
+    #: "num_speculative_tokens": k, "model": draft path or "self", "quantization":
+    #: "int4" | "int8" (the draft's weights quantized at load), "disable_by_batch_size",
+    #: "prompt_lookup_min", "prompt_lookup_max"}; None: ``num_spec_tokens`` decides
+    speculative_config: dict[str, Any] | None = None
     #: shortest n-gram the prompt-lookup proposer matches
     ngram_min: int = 1
     #: longest n-gram the prompt-lookup proposer matches
@@ -193,6 +200,40 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         require(is_int(self.seed), "seed", "an integer", self.seed)
         check_logprobs_options(self.max_logprobs, self.logprobs_mode)
         check_quantization(self.quantization, self.quantization_config)
+        spec = self.speculative
+        if spec is not None and spec.is_draft_model and self.group_size > 1:
+            raise ValueError("speculative_config: a draft model runs in a single-rank worker only, not with "
+                             "tensor_parallel_size or pipeline_parallel_size > 1 (the draft would need sharding "
+                             "beside the target's); use method ngram there")
+        if spec is not None and spec.quantization_config is not None:
+            try:
+                check_quantization(spec.quantization, spec.quantization_config)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config.{exc}") from None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """Speculative decoding as configured (``speculative_config`` checked, or the
+        ``num_spec_tokens`` shorthand as n-gram drafting); None: off. ``ValueError``
+        naming the field, or both when both are given."""
+        if self.speculative_config is None:
+            if not self.num_spec_tokens:
+                return None
+            return SpeculativeConfig(method="ngram", num_speculative_tokens=self.num_spec_tokens,
+                                     prompt_lookup_min=self.ngram_min, prompt_lookup_max=self.ngram_max)
+        if self.num_spec_tokens:
+            raise ValueError("num_spec_tokens (--spec-tokens) and speculative_config both set speculative "
+                             "decoding: give one (num_spec_tokens is the n-gram shorthand)")
+        if (self.ngram_min, self.ngram_max) != (1, 4):
+            raise ValueError("ngram_min / ngram_max go with num_spec_tokens; with speculative_config use its "
+                             "prompt_lookup_min / prompt_lookup_max")
+        return parse_speculative_config(self.speculative_config)
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens per decoding row and step (0: no speculative decoding)."""
+        spec = self.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
 
     @property
     def group_size(self) -> int:
@@ -203,7 +244,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         """The sampler's and the logits processors' configuration, for a model of
         ``vocab_size`` tokens."""
         return SamplerConfig(
-            vocab_size=vocab_size, max_num_seqs=self.max_num_seqs, num_spec_tokens=self.num_spec_tokens,
+            vocab_size=vocab_size, max_num_seqs=self.max_num_seqs, num_spec_tokens=self.spec_tokens,
             max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
             logits_processors=list(self.logits_processors),
         )

@@ -14,7 +14,7 @@ does. The fields map to ``ServerArgs`` / ``EngineConfig``:
 * ``engine_kwargs``: vLLM's engine and frontend argument names that raydecode shares pass
   through (``max_model_len``, ``max_num_seqs``, ``tensor_parallel_size``, ...), a few are
   renamed (``block_size`` -> ``kv_block_size``, ``data_parallel_size`` -> ``num_workers``,
-  an n-gram ``speculative_config`` -> ``num_spec_tokens``/``ngram_*``, ...), raydecode's
+  ``speculative_config`` (n-gram and draft-model methods), ...), raydecode's
   own ``EngineConfig`` names are accepted too; a vLLM-only argument, LoRA or prefill/decode
   disaggregation is a ``ValueError`` that names the argument and says why.
 * ``deployment_config``: the engine deployment's Serve options (replicas or

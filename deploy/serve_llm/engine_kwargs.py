@@ -14,6 +14,7 @@ import msgspec
 
 from cluster.config import EngineConfig
 from deploy.server_args import StructuredOutputsConfig
+from worker.speculative_config import parse_speculative_config
 
 #: ``EngineConfig`` fields set from elsewhere in the config, never from engine_kwargs.
 _SET_ELSEWHERE = {
@@ -136,22 +137,15 @@ def _kwarg_error(name: str, why: str) -> ValueError:
 
 
 def _speculative(spec: Any) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` -> ours: only n-gram prompt lookup exists here."""
+    """vLLM's ``speculative_config``, checked here (n-gram and draft-model methods run;
+    the rest are refused by name) and passed on as it is."""
     if not isinstance(spec, dict):
         raise _kwarg_error("speculative_config", f"expected a dict, got {type(spec).__name__}")
-    method = spec.get("method")
-    if method not in ("ngram", "[ngram]"):
-        raise _kwarg_error("speculative_config", f"method {method!r} is vLLM-only: raydecode's speculative "
-                           "decoding is n-gram prompt lookup (method: ngram)")
-    names = {"num_speculative_tokens": "num_spec_tokens", "prompt_lookup_min": "ngram_min",
-             "prompt_lookup_max": "ngram_max"}
-    other = sorted(set(spec) - set(names) - {"method"})
-    if other:
-        raise _kwarg_error("speculative_config", f"{other} are vLLM-only (raydecode's n-gram drafts take "
-                           "num_speculative_tokens, prompt_lookup_min and prompt_lookup_max)")
-    if "num_speculative_tokens" not in spec:
-        raise _kwarg_error("speculative_config", "num_speculative_tokens is required")
-    return {ours: spec[theirs] for theirs, ours in names.items() if theirs in spec}
+    try:
+        parse_speculative_config(spec)
+    except ValueError as exc:
+        raise ValueError(f"engine_kwargs.{exc}") from None
+    return dict(spec)
 
 
 def map_engine_kwargs(kwargs: dict[str, Any], model: str) -> tuple[dict[str, Any], dict[str, Any], str | None]:
@@ -204,8 +198,7 @@ def map_engine_kwargs(kwargs: dict[str, Any], model: str) -> tuple[dict[str, Any
             continue
         if name == "speculative_config":
             if value is not None:
-                for key, v in _speculative(value).items():
-                    put(engine, key, v, name)
+                put(engine, "speculative_config", _speculative(value), name)
             continue
         if name == "dtype" and value is not None:
             if value not in _DTYPES:

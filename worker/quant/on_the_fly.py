@@ -92,3 +92,20 @@ def quantize_model(model: nn.Module, scheme: str, options: dict[str, Any] | None
             setattr(parent, name, QuantizedLinear(q, child.bias))
             formats[q.format] = formats.get(q.format, 0) + 1
     return formats
+
+
+def quantize_output_layer(model: nn.Module, scheme: str, options: dict[str, Any] | None = None) -> str | None:
+    """Quantizes ``model``'s output layer (the LM head) with ``scheme`` (a tied input
+    embedding keeps its float table); returns the format, or None when the model has
+    no float linear output layer. For a draft model: its LM head is most of the bytes
+    a quantized draft reads per token, and a draft only needs its argmax."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return None
+    options = check_options(scheme, options)
+    if scheme == "int8":
+        q = quantize_int8(head.weight)
+    else:
+        q = quantize_int4(head.weight, options.get("group_size", DEFAULT_INT4_GROUP), options.get("symmetric", True))
+    model.set_output_embeddings(QuantizedLinear(q, head.bias))
+    return q.format

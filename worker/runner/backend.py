@@ -73,3 +73,16 @@ ChooseBackend = Callable[[nn.Module, torch.device, "WorkerConfig", Any], Backend
 def reference_backend(model: nn.Module, device: torch.device, config: WorkerConfig, group: Any = None) -> Backend:
     """The device-agnostic torch paths everywhere."""
     return Backend()
+
+
+def forward_logits(model: nn.Module, decoder: Decoder | None, input_ids: torch.Tensor, plan: AttentionPlan,
+                   keep: torch.Tensor) -> torch.Tensor:
+    """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
+    tokens ``input_ids`` (at the plan's positions): through the backend's ``decoder``
+    when it has one, else transformers' forward with the paged attention."""
+    if decoder is not None:
+        return decoder.forward(input_ids, plan.token_positions, plan, keep)
+    return model(
+        input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
+        use_cache=False, logits_to_keep=keep, attention_plan=plan,
+    ).logits[0]

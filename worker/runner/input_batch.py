@@ -44,6 +44,10 @@ class CachedRequest:
     output_token_ids: list[int]  # the live list the processors hold
     generator: torch.Generator | None
     num_computed: int = 0  # tokens whose KV it arrived with (a prefix-cache hit)
+    #: a draft model's own KV: the row's tokens it holds, and its proposals past them
+    #: in flight this step (``worker/runner/draft_model.py``)
+    draft_computed: int = 0
+    draft_extra: int = 0
 
 
 @dataclass

@@ -40,8 +40,9 @@ from worker.runner.attention import (
     check_attention_features,
     register_paged_attention,
 )
-from worker.runner.attention_plan import AttentionPlan, concat_ranges
-from worker.runner.backend import ChooseBackend, StepGraphs, reference_backend
+from worker.runner.attention_plan import AttentionPlan, PagedKernel, concat_ranges
+from worker.runner.backend import ChooseBackend, StepGraphs, forward_logits, reference_backend
+from worker.runner.draft_model import build_draft, kv_layout, logical_parameters
 from worker.runner.input_batch import NO_LOGPROBS, InputBatch
 from worker.runner.kv_pool import PagedKVCache
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
@@ -87,7 +88,11 @@ class ModelRunner:
         self._join_group()
         #: the weights as loaded, before a backend packs them (quantized ones as stored)
         self.weight_bytes = weight_bytes(self.model)
+        self.num_parameters = logical_parameters(self.model)
         self.backend = choose_backend(self.model, self.device, config, self.group)
+        self.spec = config.speculative
+        self.draft = (build_draft(config, self.loaded, self.num_parameters, choose_backend, self._load_options(config))
+                      if self.spec is not None and self.spec.is_draft_model else None)
         self.kv = self._allocate_kv_pool(config)
         self.graphs: StepGraphs | None = self.backend.graphs(self._forward, self.kv) if self.backend.graphs else None
         self.sampler_config = config.sampler_config(self.loaded.vocab_size)
@@ -97,8 +102,10 @@ class ModelRunner:
         self.batch = self._new_batch()
         self.sampler = Sampler(self.sampler_config, in_place=True)
         self.rejection_sampler = RejectionSampler(self.sampler_config)
+        spec = self.spec
         self.proposer = (
-            NgramProposer(config.num_spec_tokens, config.ngram_min, config.ngram_max) if config.num_spec_tokens else None
+            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec is not None and not spec.is_draft_model else None
         )
         self.timings = StepTimings()
         self.info = self._worker_info()
@@ -106,7 +113,9 @@ class ModelRunner:
             logger.warning("weights kept quantized: %s (%.0f MiB as loaded)",
                            ", ".join(f"{n} x{k}" for n, k in sorted(self.info.quantized.items())),
                            self.weight_bytes / 2**20)
-        self._probe_attention()
+        self._probe_attention(self.model, self.kv, self.backend.attention_kernel)
+        if self.draft is not None:
+            self._probe_attention(self.draft.model, self.draft.kv, self.draft.kernel)
 
     # -- the steps of loading ---------------------------------------------------------
 
@@ -136,21 +145,29 @@ class ModelRunner:
         """A rank's runner joins its group's collectives here, after the load."""
 
     def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
-        """The KV pool, sized from what memory is left after the model (and logged)."""
-        hf = self.model.config
-        layers = hf.num_hidden_layers
-        heads = hf.num_attention_heads
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        """The KV pool, sized from what memory is left after the model (and logged); a
+        draft model's own pool beside it, block for block (``draft_model.py``)."""
+        layers, kv_heads, head_dim, dtype = kv_layout(self.model.config, self.loaded.dtype)
         bs = config.kv_block_size
-        per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, self.loaded.dtype)
+        per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, dtype)
+        draft = self.draft
+        draft_layout = None
+        if draft is not None and not draft.shares_kv:
+            draft_layout = kv_layout(draft.model.config, next(draft.model.parameters()).dtype)
+            per_block += PagedKVCache.bytes_per_block(draft_layout[0], draft_layout[1], draft_layout[2], bs,
+                                                      draft_layout[3])
         num_blocks = self._num_kv_blocks(config, per_block, self.max_model_len, self.loaded)
         logger.warning(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs,
-            num_blocks * per_block / 2**30,
+            "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB%s)", num_blocks, bs, num_blocks * bs,
+            num_blocks * per_block / 2**30, ", the draft's included" if draft_layout else "",
         )
-        return PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, self.loaded.dtype, self.device,
+        pool = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, dtype, self.device,
                             prefault=config.kv_cache_prefault, scratch_blocks=self.backend.scratch_kv_blocks)
+        if draft is not None:
+            draft.attach(pool if draft_layout is None else PagedKVCache(
+                draft_layout[0], num_blocks, bs, draft_layout[1], draft_layout[2], draft_layout[3], self.device,
+                prefault=config.kv_cache_prefault, scratch_blocks=self.backend.scratch_kv_blocks))
+        return pool
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
         """The thinking budget's markers, tokenized (None: no reasoning markers set)."""
@@ -166,7 +183,7 @@ class ModelRunner:
             model_name=loaded.name, device=str(self.device), dtype=str(loaded.dtype).removeprefix("torch."),
             vocab_size=loaded.vocab_size, eos_token_ids=loaded.eos_token_ids,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs, kv_cache_bytes=kv.num_bytes,
-            num_spec_tokens=self.config.num_spec_tokens, num_kv_blocks=kv.num_blocks, kv_block_size=kv.block_size,
+            num_spec_tokens=self.config.spec_tokens, num_kv_blocks=kv.num_blocks, kv_block_size=kv.block_size,
             quantized={k: v for k, v in loaded.quantized.items() if k not in ("F32", "F16", "BF16")},
             weight_bytes=self.weight_bytes,
         )
@@ -180,7 +197,7 @@ class ModelRunner:
         if config.kv_cache_tokens is not None:
             return -(-config.kv_cache_tokens // bs)
         budget = config.kv_cache_memory_bytes or _default_kv_budget(loaded.device, config.gpu_memory_utilization)
-        blocks = min(budget // per_block, rows * -(-(max_len + config.num_spec_tokens) // bs))
+        blocks = min(budget // per_block, rows * -(-(max_len + config.spec_tokens) // bs))
         if blocks < 1:
             raise ModelLoadError(
                 f"a KV budget of {budget} bytes holds no block of {bs} tokens ({per_block} bytes): "
@@ -188,17 +205,16 @@ class ModelRunner:
             )
         return int(blocks)
 
-    def _probe_attention(self) -> None:
-        """One token through the model at load: an attention feature the paged path
+    def _probe_attention(self, model: torch.nn.Module, kv: PagedKVCache, kernel: PagedKernel | None) -> None:
+        """One token through ``model`` at load: an attention feature the paged path
         does not implement is refused now, naming it, not met on a request (and
         FlexAttention learns the layers' sliding windows)."""
         plan = AttentionPlan.build(
-            self.kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device,
-            self.backend.attention_kernel,
+            kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device, kernel,
         )
         try:
             with torch.inference_mode():
-                self.model(
+                model(
                     input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                     position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                     use_cache=False, logits_to_keep=1, attention_plan=plan,
@@ -304,6 +320,8 @@ class ModelRunner:
             batch.num_computed[row] += len(tokens) - 1
             num_sampled[row] = len(tokens)
             accepted[row] = len(tokens) - 1 if nd else 0
+            if nd and self.draft is not None:
+                self.draft.settle(batch, row, int(accepted[row]))
         if batch.thinking_budget is not None:
             batch.thinking_budget.update_state([r.output_token_ids for r in batch.requests[:n]])
         flat = [t for row, tokens in zip(s_rows.tolist(), emitted) if row not in failed_rows for t in tokens]
@@ -341,20 +359,18 @@ class ModelRunner:
         """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
         tokens ``input_ids`` (at the plan's positions); None on a rank of a group that
         does not hold them."""
-        if self.backend.decoder is not None:
-            return self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep)
-        return self.model(
-            input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
-            use_cache=False, logits_to_keep=keep, attention_plan=plan,
-        ).logits[0]
+        return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
-        """n-gram drafts for decoding rows, written past each row's known tokens."""
+        """Drafts (n-gram or a draft model's) for decoding rows, written past each row's
+        known tokens; none in a step of ``disable_by_batch_size`` rows or more."""
         num = np.zeros(len(rows), dtype=np.int64)
-        if self.proposer is None:
+        spec, batch = self.spec, self.batch
+        if spec is None or (spec.batch_size_limit is not None and batch.batch_size >= spec.batch_size_limit):
             return num
-        batch = self.batch
-        for i in np.flatnonzero(samples & (count == 1)).tolist():
+        decoding = np.flatnonzero(samples & (count == 1))
+        limits = np.zeros(len(decoding), dtype=np.int64)
+        for j, i in enumerate(decoding.tolist()):
             row = int(rows[i])
             req = batch.requests[row]
             known = int(batch.num_tokens[row])
@@ -362,7 +378,16 @@ class ModelRunner:
             limit = min(self.max_model_len - 1, int(batch.num_blocks[row]) * batch.block_size) - known
             if req.params.max_tokens is not None:
                 limit = min(limit, req.params.max_tokens - len(req.output_token_ids) - 1)
-            drafts = self.proposer.propose(batch.token_ids[row, :known], limit)
+            limits[j] = max(0, min(limit, spec.num_speculative_tokens))
+        if self.draft is not None:
+            go = limits > 0
+            if go.any():
+                num[decoding[go]] = self.draft.propose(batch, rows[decoding[go]], limits[go])
+            return num
+        for j, i in enumerate(decoding.tolist()):
+            row = int(rows[i])
+            known = int(batch.num_tokens[row])
+            drafts = self.proposer.propose(batch.token_ids[row, :known], int(limits[j]))
             if len(drafts):
                 batch.token_ids[row, known : known + len(drafts)] = drafts
                 num[i] = len(drafts)
@@ -475,7 +500,7 @@ class ModelRunner:
         thinking = None
         if self.reasoning is not None:
             thinking = ThinkingBudgetStateHolder(
-                self.reasoning, self.config.max_num_seqs, self.config.num_spec_tokens, self.device, False
+                self.reasoning, self.config.max_num_seqs, self.config.spec_tokens, self.device, False
             )
         return InputBatch(
             self.sampler_config, self.max_model_len, self.device, logitsprocs, thinking, self.kv

@@ -1,0 +1,183 @@
+"""Draft-model speculative decoding: a second model in the target's worker proposes each
+decoding row's next tokens.
+
+The draft proposes greedily (its argmax, ``k`` forwards per step: the first over what
+the draft has not seen of each row, then one token per row), and the target verifies
+the proposals with the rejection sampler as it does n-gram drafts: a deterministic
+proposal is a one-hot draft distribution, so every output keeps the target's
+distribution exactly, whatever the draft says.
+
+Where the draft keeps its keys and values:
+
+- its own pool (any draft): as many blocks as the target's, addressed through the
+  target's block table, so the blocks the driver gives a row hold the row's draft KV
+  too and a draft can never run out of blocks the target has. A row's draft KV is valid
+  up to ``CachedRequest.draft_computed``: the draft recomputes a row from position 0
+  (prefix-cache hits are the target's; a shared block's draft slots are rewritten with
+  the same values), catches up on what the target accepted, and keeps its accepted
+  proposals.
+- the target's pool (a ``self`` draft: the target's own weights, quantized): the draft
+  reads the target's keys and values of every token before the row's last, so it needs
+  no prefill of its own and no memory; it writes the slots of the row's last token and
+  its proposals, which the target's verification forward overwrites before reading them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from worker.config import WorkerConfig
+from worker.quant.on_the_fly import quantize_output_layer
+from worker.runner.attention_plan import AttentionPlan, PagedKernel
+from worker.runner.backend import ChooseBackend, Decoder, forward_logits
+from worker.runner.input_batch import InputBatch
+from worker.runner.kv_pool import PagedKVCache
+from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
+
+logger = logging.getLogger("raydecode")
+
+
+class DraftModel:
+    """Proposes up to ``k`` tokens per decoding row with a draft model."""
+
+    def __init__(self, model: torch.nn.Module, decoder: Decoder | None, kernel: PagedKernel | None,
+                 k: int, shares_kv: bool, device: torch.device, name: str) -> None:
+        self.model = model
+        self.decoder = decoder
+        self.kernel = kernel
+        self.k = k
+        self.shares_kv = shares_kv
+        self.device = device
+        self.name = name
+        self.kv: PagedKVCache | None = None
+        self._warned = False
+
+    def attach(self, kv: PagedKVCache) -> None:
+        """The pool the draft reads and writes (the target's own when ``shares_kv``)."""
+        self.kv = kv
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
+        """Drafts for decoding ``rows`` (each at most ``limits[i]`` >= 1 tokens), written
+        past each row's known tokens in ``batch.token_ids``; returns how many each got.
+        A draft that fails proposes nothing this step (logged once): the target runs
+        without drafts, the requests never see it."""
+        try:
+            return self._propose(batch, rows, limits)
+        except Exception:  # noqa: BLE001 - a draft's failure must never fail the target's step
+            if not self._warned:
+                logger.exception("draft model %s failed: steps run without its drafts when it does", self.name)
+                self._warned = True
+            return np.zeros(len(rows), dtype=np.int64)
+
+    def _propose(self, batch: InputBatch, rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
+        known = batch.num_tokens[rows].astype(np.int64)
+        if self.shares_kv:
+            start = batch.num_computed[rows].astype(np.int64)
+        else:
+            start = np.array([batch.requests[r].draft_computed for r in rows.tolist()], dtype=np.int64)
+        start = np.minimum(start, known - 1)
+        limits = limits.astype(np.int64)
+        drafts = np.zeros((len(rows), int(limits.max())), dtype=np.int64)
+        # First forward: what the draft has not seen of each row, logits at its last token.
+        drafts[:, 0] = self._greedy(batch, rows, start, known - start)
+        for j in range(1, drafts.shape[1]):
+            going = np.flatnonzero(limits > j)
+            r = rows[going]
+            batch.token_ids[r, known[going] + j - 1] = drafts[going, j - 1]
+            drafts[going, j] = self._greedy(batch, r, known[going] + j - 1, np.ones(len(r), dtype=np.int64))
+        for i, row in enumerate(rows.tolist()):
+            n = int(limits[i])
+            batch.token_ids[row, known[i] : known[i] + n] = drafts[i, :n]
+            req = batch.requests[row]
+            req.draft_computed = int(known[i])  # the draft has seen every known token
+            req.draft_extra = n - 1  # and its proposals but the last
+        return limits
+
+    def settle(self, batch: InputBatch, row: int, accepted: int) -> None:
+        """After the target verified ``row``'s drafts and kept ``accepted`` of them: the
+        draft's keys and values of the kept ones stay valid."""
+        req = batch.requests[row]
+        req.draft_computed += min(accepted, req.draft_extra)
+        req.draft_extra = 0
+
+    def _greedy(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """The draft's argmax after each row's ``count`` tokens from position ``computed``."""
+        assert self.kv is not None, "attach the draft's KV pool first"
+        plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device, self.kernel)
+        input_ids = torch.from_numpy(batch.token_ids[plan.host_token_rows, plan.host_token_positions]).to(self.device)
+        keep = torch.from_numpy(np.cumsum(count) - 1).to(self.device)
+        logits = forward_logits(self.model, self.decoder, input_ids, plan, keep)
+        return logits.argmax(dim=-1).cpu().numpy()
+
+
+def logical_parameters(model: torch.nn.Module) -> int:
+    """A model's parameter count as its checkpoint has it (a quantized linear counts its
+    weight's elements, not its codes)."""
+    total = 0
+    for module in model.modules():
+        q = getattr(module, "quantized", None)
+        if q is not None and hasattr(q, "codes"):
+            total += int(q.in_features) * int(q.out_features)
+        total += sum(p.numel() for p in module.parameters(recurse=False) if p.device.type != "meta")
+    return total
+
+
+def build_draft(config: WorkerConfig, target: LoadedModel, target_parameters: int, choose_backend: ChooseBackend,
+                load_options: dict[str, Any]) -> DraftModel:
+    """The draft ``config.speculative`` names, loaded beside ``target`` (of
+    ``target_parameters``, ``logical_parameters`` before its backend repacked it) and
+    checked against it (``ModelLoadError`` naming what does not fit), on its own backend."""
+    spec = config.speculative
+    assert spec is not None and spec.is_draft_model
+    source = config.model if spec.self_draft else spec.model
+    options = dict(load_options, quantization=spec.quantization, quantization_config=spec.quantization_config)
+    try:
+        draft = load_model(source, **options)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"speculative_config.model: {exc}") from None
+    check_draft(draft, target, target_parameters)
+    if spec.quantization is not None:
+        # Its LM head too (int8 per channel, whatever the layers' scheme): a draft needs
+        # only its argmax, and the float head is a large share of what it reads a token.
+        quantize_output_layer(draft.model, "int8")
+    draft_config = msgspec.structs.replace(config, model=source, quantization=spec.quantization,
+                                           quantization_config=spec.quantization_config)
+    backend = choose_backend(draft.model, draft.device, draft_config, None)
+    shares = spec.self_draft and kv_layout(draft.model.config, draft.dtype) == kv_layout(target.model.config,
+                                                                                      target.dtype)
+    logger.warning("draft model %s (%s): %d tokens per step, %s", "self" if spec.self_draft else draft.name,
+                   spec.quantization or "as stored", spec.num_speculative_tokens,
+                   "on the target's KV" if shares else "its own KV pool")
+    return DraftModel(draft.model, backend.decoder, backend.attention_kernel, spec.num_speculative_tokens, shares,
+                      draft.device, draft.name)
+
+
+def check_draft(draft: LoadedModel, target: LoadedModel, target_parameters: int) -> None:
+    """A draft must speak the target's tokens (the same vocabulary, token for token) and
+    be no larger than it."""
+    where = f"speculative_config.model: the draft {draft.name}"
+    if draft.vocab_size != target.vocab_size:
+        raise ModelLoadError(f"{where} has {draft.vocab_size} logits per token, the target {target.vocab_size}: "
+                             "a draft must share the target's vocabulary")
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ModelLoadError(f"{where} has another tokenizer than the target's: a draft must share its vocabulary")
+    if draft.device != target.device:
+        raise ModelLoadError(f"{where} loaded on {draft.device}, the target on {target.device}")
+    d, t = logical_parameters(draft.model), target_parameters
+    if d > t:
+        raise ModelLoadError(f"{where} has more parameters ({d:,}) than the target ({t:,}): it would cost more "
+                             "than it saves")
+
+
+def kv_layout(hf_config: Any, dtype: torch.dtype) -> tuple[int, int, int, torch.dtype]:
+    """(layers, KV heads, head size, dtype): what a model's KV pool is shaped by."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return hf_config.num_hidden_layers, kv_heads, head_dim, dtype
