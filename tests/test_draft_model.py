@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 def draft_config(model: str, k: int = 4, **extra) -> dict:
-    # Batches of the tests' 4 rows draft too (the default turns drafting off from 4 rows).
+    # Every batch drafts (the default turns drafting off from 5 rows; some tests run 8).
     return {"speculative_config": {"method": "draft_model", "model": model, "num_speculative_tokens": k,
                                    "disable_by_batch_size": 99, **extra}}
 
@@ -303,3 +303,44 @@ def test_ngram_through_the_config_drafts_as_the_shorthand(tiny_model_path):
         _, done = run(make_worker(tiny_model_path, **config), ps)
         outs.append({rid: (r.output, r.num_drafts, r.num_accepted) for rid, r in done.items()})
     assert outs[0] == outs[1] and sum(v[1] for v in outs[0].values()) > 0
+
+
+# -- through the engine ------------------------------------------------------------------
+
+
+def test_the_engine_with_drafts_under_prefix_caching_n_and_preemption(ray_local, tiny_model_path, random_draft):
+    """Through ``LLM``: shared prompt prefixes (the prefix cache), n = 2, and a KV pool
+    small enough to preempt; a draft with its own KV (recomputing what the target found
+    cached) and the self draft on the target's KV give the target's greedy tokens, and
+    seeded samples equal with either draft across two runs."""
+    from cluster import LLM
+
+    base = prompts(400, [40], seed=31)[0]
+    ps = [base + tail for tail in prompts(400, [3, 9, 14, 5], seed=32)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, n=2)
+    common = dict(num_workers=1, max_num_seqs=4, max_model_len=256, kv_cache_tokens=384, max_num_batched_tokens=48,
+                  worker_num_cpus=1)
+
+    cached = []
+
+    def answers(llm, params):
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+        cached.append(sum(o.num_cached_tokens for o in outs))
+        return [[c.token_ids for c in out.outputs] for out in outs]
+
+    plain = LLM(tiny_model_path, **common)
+    try:
+        expected = answers(plain, greedy)
+    finally:
+        plain.shutdown()
+    for config in (draft_config(random_draft, 3), self_draft("int8", 3)):
+        llm = LLM(tiny_model_path, **config, **common)
+        try:
+            assert answers(llm, greedy) == expected
+            assert answers(llm, seeded) == answers(llm, seeded)
+            snap = llm.engine.metrics.snapshot()
+            assert snap.spec_decode_num_draft_tokens > 0 and snap.num_preemptions > 0
+            assert cached[-1] > 0  # the shared prefix came from the cache
+        finally:
+            llm.shutdown()

@@ -31,7 +31,7 @@ SELF_DRAFT = "self"
 
 #: ``disable_by_batch_size`` for draft models when the config does not say: the
 #: crossover measured on CPU (docs/performance.md, "Draft-model speculative decoding")
-DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DRAFT_DISABLE_BY_BATCH_SIZE = 5
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

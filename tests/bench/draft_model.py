@@ -71,6 +71,7 @@ def run_once(worker, ps: list[list[int]], rows: int, temperature: float, max_tok
     from sampler.params import SamplingParams
     from worker_driver import MiniDriver
 
+    worker.reset()  # the last run's rows go
     d = MiniDriver(worker.step, max_rows=rows, token_budget=512, chunk=512)
     for i, p in enumerate(ps):
         d.submit(f"q{i}", p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,

@@ -268,12 +268,14 @@ def peer_server_cmd(binary: str, model: str, port: int | str, streams: int | str
             "-c", str(ctx), "-t", str(cores), "-tb", str(cores), "--cont-batching", *extra]
 
 
-def ours_cmd(model: str, port: int | str, max_num_seqs: int, quantization: str | None) -> list[str]:
+def ours_cmd(model: str, port: int | str, max_num_seqs: int, quantization: str | None,
+             speculative_config: str | None = None) -> list[str]:
     """vs_vllm.py's ``raydecode serve`` command with ``max_num_seqs`` = the highest
-    concurrency and ``--quantization`` where asked."""
+    concurrency, ``--quantization`` and ``--speculative-config`` where asked."""
     cmd = ours_server_cmd(model, port)
     cmd[cmd.index("--max-num-seqs") + 1] = str(max_num_seqs)
-    return cmd + (["--quantization", quantization] if quantization else [])
+    cmd += ["--quantization", quantization] if quantization else []
+    return cmd + (["--speculative-config", speculative_config] if speculative_config else [])
 
 
 # -- one level ------------------------------------------------------------------------
@@ -419,6 +421,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ours-quantization", default=None,
                     help="ours' --quantization (default: none given, the GGUF kept quantized; 'none': dequantized "
                          "to float32, the float path)")
+    ap.add_argument("--ours-speculative-config", default=None,
+                    help="ours' --speculative-config JSON, e.g. a self draft of the float path: --ours-quantization "
+                         "none --ours-speculative-config '{\"method\": \"draft_model\", \"model\": \"self\", "
+                         "\"quantization\": \"int8\", \"num_speculative_tokens\": 3}'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     args = ap.parse_args()
@@ -462,7 +468,7 @@ def main() -> None:
 
     print(f"vs llama.cpp: model {model}; machine {machine()}; {len(cpus)} CPUs ({cpu_list(cpus)}); logs {logs}",
           flush=True)
-    print(f"ours: {' '.join(ours_cmd(model, '<port>', max_seqs, args.ours_quantization))}", flush=True)
+    print(f"ours: {' '.join(ours_cmd(model, '<port>', max_seqs, args.ours_quantization, args.ours_speculative_config))}", flush=True)
     if peer is not None:
         print(f"llama.cpp: {peer_info}", flush=True)
         amx_note = f"llama.cpp for this CPU (what --build does): {cmake_cpu_flags(cpu_flags())[1]}"
@@ -498,7 +504,8 @@ def main() -> None:
         ours_runs.append(ours)
         label = f"raydecode serve{tag}"
         try:
-            with launched(label, lambda port: ours_cmd(model, port, max_seqs, args.ours_quantization), ours_env,
+            with launched(label, lambda port: ours_cmd(model, port, max_seqs, args.ours_quantization,
+                                                      args.ours_speculative_config), ours_env,
                           logs / f"ours-{i}.log", warm, args.ready_timeout) as server:
                 if i == 0:
                     counted["ours"] = prompt_tokens(server, check_texts)
@@ -559,6 +566,8 @@ def main() -> None:
                  "add timings_per_token (its per-chunk token count)")
     notes.append(f"ours: {model} kept quantized" if not args.ours_quantization else
                  f"ours: {model} with --quantization {args.ours_quantization}")
+    if args.ours_speculative_config:
+        notes.append(f"ours: --speculative-config {args.ours_speculative_config}")
     notes.append(f"settings: ours one worker on all {len(cpus)} cores, max_num_seqs {max_seqs}, max_num_batched_tokens "
                  f"{MAX_NUM_BATCHED_TOKENS}, max_model_len {MAX_MODEL_LEN}, prefix caching, KV {KV_GIB} GiB "
                  f"committed, {DTYPE}; llama.cpp -np <streams> -c {CTX_PER_SLOT}x<streams> -t {len(cpus)} "

@@ -1,11 +1,15 @@
 """Draft-model speculative decoding: a second model in the target's worker proposes each
 decoding row's next tokens.
 
-The draft proposes greedily (its argmax, ``k`` forwards per step: the first over what
-the draft has not seen of each row, then one token per row), and the target verifies
-the proposals with the rejection sampler as it does n-gram drafts: a deterministic
-proposal is a one-hot draft distribution, so every output keeps the target's
-distribution exactly, whatever the draft says.
+The draft proposes ``k`` tokens per row, one forward a token (the first over what the
+draft has not seen of each row, then one token per row): a greedy row takes the draft's
+argmax; a sampling row draws from the draft's distribution at the row's temperature,
+``q``, which goes with the drafts to the rejection sampler (accept with probability
+``min(1, p / q)``, else draw from ``max(p - q, 0)``), so every output keeps the target's
+distribution exactly, whatever the draft says, and a draft close to the target is
+accepted about as often at temperature 0.7 as greedy. A seeded row draws its proposals
+from a generator of its own seed and position (never its sampling generator, whose
+draws the driver counts), so they do not depend on the batch or on a resume.
 
 Where the draft keeps its keys and values:
 
@@ -56,6 +60,10 @@ class DraftModel:
         self.name = name
         self.kv: PagedKVCache | None = None
         self._warned = False
+        #: the step's draft distributions of sampling rows, ``[drafts, vocab]`` by row
+        self.probs: dict[int, torch.Tensor] = {}
+        self._rng = torch.Generator(device=device)
+        self._rng.manual_seed(0x5EED)
 
     def attach(self, kv: PagedKVCache) -> None:
         """The pool the draft reads and writes (the target's own when ``shares_kv``)."""
@@ -67,12 +75,14 @@ class DraftModel:
         past each row's known tokens in ``batch.token_ids``; returns how many each got.
         A draft that fails proposes nothing this step (logged once): the target runs
         without drafts, the requests never see it."""
+        self.probs = {}
         try:
             return self._propose(batch, rows, limits)
         except Exception:  # noqa: BLE001 - a draft's failure must never fail the target's step
             if not self._warned:
                 logger.exception("draft model %s failed: steps run without its drafts when it does", self.name)
                 self._warned = True
+            self.probs = {}
             return np.zeros(len(rows), dtype=np.int64)
 
     def _propose(self, batch: InputBatch, rows: np.ndarray, limits: np.ndarray) -> np.ndarray:
@@ -84,16 +94,21 @@ class DraftModel:
         start = np.minimum(start, known - 1)
         limits = limits.astype(np.int64)
         drafts = np.zeros((len(rows), int(limits.max())), dtype=np.int64)
+        sampling = ~batch.greedy[rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
         # First forward: what the draft has not seen of each row, logits at its last token.
-        drafts[:, 0] = self._greedy(batch, rows, start, known - start)
+        drafts[:, 0] = self._next(batch, rows, start, known - start, known, sampling, probs, np.arange(len(rows)))
         for j in range(1, drafts.shape[1]):
             going = np.flatnonzero(limits > j)
             r = rows[going]
             batch.token_ids[r, known[going] + j - 1] = drafts[going, j - 1]
-            drafts[going, j] = self._greedy(batch, r, known[going] + j - 1, np.ones(len(r), dtype=np.int64))
+            drafts[going, j] = self._next(batch, r, known[going] + j - 1, np.ones(len(r), dtype=np.int64),
+                                          known[going] + j, sampling[going], probs, going)
         for i, row in enumerate(rows.tolist()):
             n = int(limits[i])
             batch.token_ids[row, known[i] : known[i] + n] = drafts[i, :n]
+            if sampling[i]:
+                self.probs[row] = torch.stack(probs[i][:n])
             req = batch.requests[row]
             req.draft_computed = int(known[i])  # the draft has seen every known token
             req.draft_extra = n - 1  # and its proposals but the last
@@ -106,14 +121,35 @@ class DraftModel:
         req.draft_computed += min(accepted, req.draft_extra)
         req.draft_extra = 0
 
-    def _greedy(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, count: np.ndarray) -> np.ndarray:
-        """The draft's argmax after each row's ``count`` tokens from position ``computed``."""
+    def _next(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, count: np.ndarray,
+              position: np.ndarray, sampling: np.ndarray, probs: list[list[torch.Tensor]],
+              index: np.ndarray) -> np.ndarray:
+        """The draft's next token after each row's ``count`` tokens from position
+        ``computed`` (the proposal for ``position``): its argmax, or for a ``sampling``
+        row a draw from its distribution at the row's temperature (appended to
+        ``probs[index[i]]``)."""
         assert self.kv is not None, "attach the draft's KV pool first"
         plan = AttentionPlan.build(self.kv, rows, computed, count, batch.block_table, self.device, self.kernel)
         input_ids = torch.from_numpy(batch.token_ids[plan.host_token_rows, plan.host_token_positions]).to(self.device)
         keep = torch.from_numpy(np.cumsum(count) - 1).to(self.device)
         logits = forward_logits(self.model, self.decoder, input_ids, plan, keep)
-        return logits.argmax(dim=-1).cpu().numpy()
+        tokens = logits.argmax(dim=-1).cpu().numpy()
+        for i in np.flatnonzero(sampling).tolist():
+            row = int(rows[i])
+            q = torch.softmax(logits[i].float() / float(batch.temperature[row]), dim=-1)
+            tokens[i] = int(torch.multinomial(q, 1, generator=self._generator(batch, row, int(position[i]))))
+            probs[int(index[i])].append(q)
+        return tokens
+
+    def _generator(self, batch: InputBatch, row: int, position: int) -> torch.Generator:
+        """A seeded row's proposals come from its seed and the position drafted; the
+        others share the draft's own stream."""
+        seed = batch.requests[row].params.seed
+        if seed is None:
+            return self._rng
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((seed * 0x9E3779B1 + position * 0x85EBCA77 + 0xD1AF7) % 2**63)
+        return gen
 
 
 def logical_parameters(model: torch.nn.Module) -> int:

@@ -437,7 +437,8 @@ class ModelRunner:
         is_draft = np.ones(int(width.sum()), dtype=bool)
         is_draft[np.cumsum(width) - 1] = False
         target = logits[torch.from_numpy(np.flatnonzero(is_draft)).to(self.device)]
-        grid = self.rejection_sampler(spec_ids, None, target, out.sampled_token_ids, md).cpu()
+        grid = self.rejection_sampler(spec_ids, self._draft_probs(spec_ids, target), target, out.sampled_token_ids,
+                                      md).cpu()
         emitted = []
         for row in s_rows.tolist():
             values = grid[row]
@@ -451,6 +452,24 @@ class ModelRunner:
             t = gather_logprobs(raw_lp[torch.from_numpy(pos).to(self.device)], md.max_num_logprobs, flat)
             lp = (t.token_ids.cpu().numpy(), t.logprobs.cpu().numpy(), t.ranks.cpu().numpy())
         return emitted, lp, failed
+
+    def _draft_probs(self, spec_ids: list[list[int]], target: torch.Tensor) -> torch.Tensor | None:
+        """The draft model's distributions of the step's drafts, in the rejection
+        sampler's order (None: every draft is a fixed proposal, a one-hot ``q``)."""
+        probs = self.draft.probs if self.draft is not None else {}
+        if not probs:
+            return None
+        out = torch.zeros_like(target, dtype=torch.float32)
+        start = 0
+        for row, drafts in enumerate(spec_ids):
+            if drafts:
+                q = probs.get(row)
+                if q is None:  # a greedy row's proposals: one-hot (its acceptance ignores q)
+                    out[torch.arange(start, start + len(drafts)), torch.tensor(drafts)] = 1.0
+                else:
+                    out[start : start + len(drafts)] = q
+                start += len(drafts)
+        return out
 
     def _prompt_logprob_chunks(
         self, rows: np.ndarray, computed: np.ndarray, count: np.ndarray, starts: np.ndarray
