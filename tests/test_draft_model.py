@@ -251,6 +251,9 @@ def test_hostile_drafts_are_refused_at_load(tiny_model_path, tmp_path):
     for config, message in cases:
         with pytest.raises(ModelLoadError, match=message):
             make_worker(tiny_model_path, **config)
+    with pytest.raises(ModelLoadError, match="a 'self' draft quantizes the target's float weights, but .* runs "
+                                             "quantized already"):
+        make_worker(tiny_model_path, quantization="int8", **self_draft("int4"))
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -319,7 +322,7 @@ def test_the_engine_with_drafts_under_prefix_caching_n_and_preemption(ray_local,
     ps = [base + tail for tail in prompts(400, [3, 9, 14, 5], seed=32)]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
     seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, n=2)
-    common = dict(num_workers=1, max_num_seqs=4, max_model_len=256, kv_cache_tokens=384, max_num_batched_tokens=48,
+    common = dict(num_workers=1, max_num_seqs=4, max_model_len=256, kv_cache_tokens=192, max_num_batched_tokens=48,
                   worker_num_cpus=1)
 
     cached = []

@@ -425,6 +425,11 @@ def parse_args() -> argparse.Namespace:
                     help="ours' --speculative-config JSON, e.g. a self draft of the float path: --ours-quantization "
                          "none --ours-speculative-config '{\"method\": \"draft_model\", \"model\": \"self\", "
                          "\"quantization\": \"int8\", \"num_speculative_tokens\": 3}'")
+    ap.add_argument("--peer-model", default=None,
+                    help="llama.cpp's model file (default: the shipped Q4_1 file ours serves; e.g. an F32 GGUF of it "
+                         "from llama.cpp's convert_hf_to_gguf.py, with --peer-draft the Q4_1 file)")
+    ap.add_argument("--peer-draft", default=None, help="llama.cpp's --model-draft (its draft-model mode)")
+    ap.add_argument("--peer-draft-max", type=int, default=3, help="llama.cpp's --spec-draft-n-max (default 3, its own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     args = ap.parse_args()
@@ -458,11 +463,17 @@ def main() -> None:
         notes.append(msg)
 
     model = str(default_model_file())
+    peer_model = args.peer_model or model
+    if args.peer_draft:  # llama.cpp's draft-model mode (its documented flags; n-max its default 3)
+        peer_flags_draft = ["--model-draft", args.peer_draft, "--spec-draft-n-max", str(args.peer_draft_max)]
+    else:
+        peer_flags_draft = []
     tok, _ = load_tokenizer(None)
     stream = corpus_tokens(tok)
     logs = Path(tempfile.mkdtemp(prefix="vs_llama_cpp-"))
     max_seqs = max(args.levels)
     peer_flags = [f for f in ("--metrics", "--no-webui") if peer is not None and peer_has_flag(peer, f)]
+    peer_flags += peer_flags_draft
     peer_info = peer_build_info(peer) if peer is not None else "none"
     ours_env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -476,7 +487,7 @@ def main() -> None:
             amx_note += "; THIS binary was built native and may die with SIGILL in its AMX kernels"
         print(amx_note, flush=True)
         notes.append(amx_note)
-        print(f"llama.cpp: {' '.join(peer_server_cmd(peer, model, '<port>', '<streams>', len(cpus), peer_flags))}"
+        print(f"llama.cpp: {' '.join(peer_server_cmd(peer, peer_model, '<port>', '<streams>', len(cpus), peer_flags))}"
               "  (launched per level)", flush=True)
     print(f"autogroup scheduling: {'on' if autogroup_enabled() else 'off'}", flush=True)
     if autogroup_enabled():
@@ -525,7 +536,7 @@ def main() -> None:
             label = f"llama-server -np {c}{tag}"
             log = logs / f"llama-{i}-c{c}.log"
             try:
-                with launched(label, lambda port, c=c: peer_server_cmd(peer, model, port, c, len(cpus), peer_flags),
+                with launched(label, lambda port, c=c: peer_server_cmd(peer, peer_model, port, c, len(cpus), peer_flags),
                               peer_env(peer), log, warm, args.ready_timeout) as server:
                     if i == 0 and "llama.cpp" not in counted:
                         counted["llama.cpp"] = prompt_tokens(server, check_texts)
@@ -568,6 +579,9 @@ def main() -> None:
                  f"ours: {model} with --quantization {args.ours_quantization}")
     if args.ours_speculative_config:
         notes.append(f"ours: --speculative-config {args.ours_speculative_config}")
+    if args.peer_model or args.peer_draft:
+        notes.append(f"llama.cpp: {peer_model}" + (f" with --model-draft {args.peer_draft} --spec-draft-n-max "
+                                                  f"{args.peer_draft_max}" if args.peer_draft else ""))
     notes.append(f"settings: ours one worker on all {len(cpus)} cores, max_num_seqs {max_seqs}, max_num_batched_tokens "
                  f"{MAX_NUM_BATCHED_TOKENS}, max_model_len {MAX_MODEL_LEN}, prefix caching, KV {KV_GIB} GiB "
                  f"committed, {DTYPE}; llama.cpp -np <streams> -c {CTX_PER_SLOT}x<streams> -t {len(cpus)} "

@@ -28,6 +28,7 @@ Where the draft keeps its keys and values:
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from worker.config import WorkerConfig
-from worker.quant.on_the_fly import quantize_output_layer
+from worker.quant.on_the_fly import quantize_model, quantize_output_layer
 from worker.runner.attention_plan import AttentionPlan, PagedKernel
 from worker.runner.backend import ChooseBackend, Decoder, forward_logits
 from worker.runner.input_batch import InputBatch
@@ -164,34 +165,56 @@ def logical_parameters(model: torch.nn.Module) -> int:
     return total
 
 
+def self_draft_copy(config: WorkerConfig, target: LoadedModel) -> torch.nn.Module:
+    """A ``self`` draft: a copy of the loaded target (before its backend repacks it) with
+    its linear layers quantized by the config's scheme, its LM head in int8. The target
+    must run in float: its own quantized layers would make the copy the target again."""
+    spec = config.speculative
+    assert spec is not None and spec.self_draft and spec.quantization is not None
+    if target.device.type != "cpu":
+        raise ModelLoadError(f"speculative_config.model: a 'self' draft is the target quantized, and quantized "
+                             f"weights run on the CPU only for now (the target is on {target.device.type})")
+    if any(getattr(m, "quantized", None) is not None for m in target.model.modules()):
+        raise ModelLoadError(f"speculative_config.model: a 'self' draft quantizes the target's float weights, but "
+                             f"{target.name} runs quantized already (load the target with quantization 'none' to "
+                             "run it in float with its quantized self as the draft)")
+    model = copy.deepcopy(target.model)
+    quantize_model(model, spec.quantization, spec.quantization_config)
+    quantize_output_layer(model, "int8")
+    return model
+
+
 def build_draft(config: WorkerConfig, target: LoadedModel, target_parameters: int, choose_backend: ChooseBackend,
-                load_options: dict[str, Any]) -> DraftModel:
-    """The draft ``config.speculative`` names, loaded beside ``target`` (of
-    ``target_parameters``, ``logical_parameters`` before its backend repacked it) and
-    checked against it (``ModelLoadError`` naming what does not fit), on its own backend."""
+                load_options: dict[str, Any], self_copy: torch.nn.Module | None = None) -> DraftModel:
+    """The draft ``config.speculative`` names: ``self_copy`` (``self_draft_copy``) or
+    loaded beside ``target`` (of ``target_parameters``, ``logical_parameters`` before its
+    backend repacked it) and checked against it (``ModelLoadError`` naming what does
+    not fit); on its own backend."""
     spec = config.speculative
     assert spec is not None and spec.is_draft_model
-    source = config.model if spec.self_draft else spec.model
-    options = dict(load_options, quantization=spec.quantization, quantization_config=spec.quantization_config)
-    try:
-        draft = load_model(source, **options)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"speculative_config.model: {exc}") from None
-    check_draft(draft, target, target_parameters)
-    if spec.quantization is not None:
-        # Its LM head too (int8 per channel, whatever the layers' scheme): a draft needs
-        # only its argmax, and the float head is a large share of what it reads a token.
-        quantize_output_layer(draft.model, "int8")
-    draft_config = msgspec.structs.replace(config, model=source, quantization=spec.quantization,
+    if self_copy is not None:
+        model, name, dtype = self_copy, "self", target.dtype
+    else:
+        options = dict(load_options, quantization=spec.quantization, quantization_config=spec.quantization_config)
+        try:
+            draft = load_model(spec.model, **options)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"speculative_config.model: {exc}") from None
+        check_draft(draft, target, target_parameters)
+        if spec.quantization is not None:
+            # Its LM head too (int8 per channel, whatever the layers' scheme): a draft
+            # needs only its argmax or its distribution, and the float head is a large
+            # share of what it reads a token.
+            quantize_output_layer(draft.model, "int8")
+        model, name, dtype = draft.model, draft.name, draft.dtype
+    draft_config = msgspec.structs.replace(config, quantization=spec.quantization,
                                            quantization_config=spec.quantization_config)
-    backend = choose_backend(draft.model, draft.device, draft_config, None)
-    shares = spec.self_draft and kv_layout(draft.model.config, draft.dtype) == kv_layout(target.model.config,
-                                                                                      target.dtype)
-    logger.warning("draft model %s (%s): %d tokens per step, %s", "self" if spec.self_draft else draft.name,
-                   spec.quantization or "as stored", spec.num_speculative_tokens,
-                   "on the target's KV" if shares else "its own KV pool")
-    return DraftModel(draft.model, backend.decoder, backend.attention_kernel, spec.num_speculative_tokens, shares,
-                      draft.device, draft.name)
+    backend = choose_backend(model, target.device, draft_config, None)
+    shares = self_copy is not None and kv_layout(model.config, dtype) == kv_layout(target.model.config, target.dtype)
+    logger.warning("draft model %s (%s): %d tokens per step, %s", name, spec.quantization or "as stored",
+                   spec.num_speculative_tokens, "on the target's KV" if shares else "its own KV pool")
+    return DraftModel(model, backend.decoder, backend.attention_kernel, spec.num_speculative_tokens, shares,
+                      target.device, name)
 
 
 def check_draft(draft: LoadedModel, target: LoadedModel, target_parameters: int) -> None:

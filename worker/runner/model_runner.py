@@ -42,7 +42,7 @@ from worker.runner.attention import (
 )
 from worker.runner.attention_plan import AttentionPlan, PagedKernel, concat_ranges
 from worker.runner.backend import ChooseBackend, StepGraphs, forward_logits, reference_backend
-from worker.runner.draft_model import build_draft, kv_layout, logical_parameters
+from worker.runner.draft_model import build_draft, kv_layout, logical_parameters, self_draft_copy
 from worker.runner.input_batch import NO_LOGPROBS, InputBatch
 from worker.runner.kv_pool import PagedKVCache
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
@@ -89,10 +89,12 @@ class ModelRunner:
         #: the weights as loaded, before a backend packs them (quantized ones as stored)
         self.weight_bytes = weight_bytes(self.model)
         self.num_parameters = logical_parameters(self.model)
-        self.backend = choose_backend(self.model, self.device, config, self.group)
         self.spec = config.speculative
-        self.draft = (build_draft(config, self.loaded, self.num_parameters, choose_backend, self._load_options(config))
-                      if self.spec is not None and self.spec.is_draft_model else None)
+        # A self draft copies the target's weights before its backend repacks them.
+        self_copy = self_draft_copy(config, self.loaded) if self.spec is not None and self.spec.self_draft else None
+        self.backend = choose_backend(self.model, self.device, config, self.group)
+        self.draft = (build_draft(config, self.loaded, self.num_parameters, choose_backend, self._load_options(config),
+                                  self_copy) if self.spec is not None and self.spec.is_draft_model else None)
         self.kv = self._allocate_kv_pool(config)
         self.graphs: StepGraphs | None = self.backend.graphs(self._forward, self.kv) if self.backend.graphs else None
         self.sampler_config = config.sampler_config(self.loaded.vocab_size)
