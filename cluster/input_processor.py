@@ -35,6 +35,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_kv_tokens = max_kv_tokens
+        self.spec_tokens = config.spec_tokens  # (parsed from speculative_config: once, not per request)
         self.prompt_budget = PromptBudget.for_tokenizer(tokenizer, max_model_len - 1)
         # Structured outputs: each constraint compiles once here (LRU), checked on entry.
         self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
@@ -89,7 +90,7 @@ class InputProcessor:
                 f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                 f"max_model_len is {limit} (at most {limit - len(ids)} new tokens)"
             )
-        if len(ids) + max_tokens + c.spec_tokens > self.max_kv_tokens:
+        if len(ids) + max_tokens + self.spec_tokens > self.max_kv_tokens:
             raise ValueError(
                 f"the request needs {len(ids) + max_tokens} KV tokens; a worker holds at most "
                 f"{self.max_kv_tokens} (kv_cache_tokens)"

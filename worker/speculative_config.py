@@ -5,8 +5,9 @@ Two methods run here:
 - ``ngram``: prompt lookup (``prompt_lookup_min`` / ``prompt_lookup_max``), the same
   drafts as the ``num_spec_tokens`` shorthand.
 - ``draft_model``: a second model in the target's worker proposes
-  ``num_speculative_tokens`` tokens per decoding row, greedily; the target verifies
-  them with the rejection sampler, so outputs keep the target's distribution. ``model``
+  ``num_speculative_tokens`` tokens per decoding row (its argmax for greedy rows, a draw
+  from its distribution for sampling ones); the target verifies them with the rejection
+  sampler, so outputs keep the target's distribution. ``model``
   names the draft (a path, a hub id, a ``.gguf`` file) or ``"self"``: the target's own
   weights, quantized at load by ``quantization`` (raydecode's meaning of the field:
   vLLM's names a draft checkpoint's format). ``disable_by_batch_size``: no drafting in a

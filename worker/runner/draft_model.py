@@ -51,11 +51,12 @@ class DraftModel:
     """Proposes up to ``k`` tokens per decoding row with a draft model."""
 
     def __init__(self, model: torch.nn.Module, decoder: Decoder | None, kernel: PagedKernel | None,
-                 k: int, shares_kv: bool, device: torch.device, name: str) -> None:
+                 layout: tuple[int, int, int, torch.dtype], shares_kv: bool, device: torch.device, name: str) -> None:
+        """``layout``: the draft's ``kv_layout``, what its own pool is shaped by."""
         self.model = model
         self.decoder = decoder
         self.kernel = kernel
-        self.k = k
+        self.layout = layout
         self.shares_kv = shares_kv
         self.device = device
         self.name = name
@@ -210,11 +211,11 @@ def build_draft(config: WorkerConfig, target: LoadedModel, target_parameters: in
     draft_config = msgspec.structs.replace(config, quantization=spec.quantization,
                                            quantization_config=spec.quantization_config)
     backend = choose_backend(model, target.device, draft_config, None)
-    shares = self_copy is not None and kv_layout(model.config, dtype) == kv_layout(target.model.config, target.dtype)
+    layout = kv_layout(model.config, dtype)
+    shares = self_copy is not None and layout == kv_layout(target.model.config, target.dtype)
     logger.warning("draft model %s (%s): %d tokens per step, %s", name, spec.quantization or "as stored",
                    spec.num_speculative_tokens, "on the target's KV" if shares else "its own KV pool")
-    return DraftModel(model, backend.decoder, backend.attention_kernel, spec.num_speculative_tokens, shares,
-                      target.device, name)
+    return DraftModel(model, backend.decoder, backend.attention_kernel, layout, shares, target.device, name)
 
 
 def check_draft(draft: LoadedModel, target: LoadedModel, target_parameters: int) -> None:

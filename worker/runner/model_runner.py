@@ -153,11 +153,9 @@ class ModelRunner:
         bs = config.kv_block_size
         per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, dtype)
         draft = self.draft
-        draft_layout = None
-        if draft is not None and not draft.shares_kv:
-            draft_layout = kv_layout(draft.model.config, next(draft.model.parameters()).dtype)
-            per_block += PagedKVCache.bytes_per_block(draft_layout[0], draft_layout[1], draft_layout[2], bs,
-                                                      draft_layout[3])
+        draft_layout = draft.layout if draft is not None and not draft.shares_kv else None
+        if draft_layout is not None:
+            per_block += PagedKVCache.bytes_per_block(*draft_layout[:3], bs, draft_layout[3])
         num_blocks = self._num_kv_blocks(config, per_block, self.max_model_len, self.loaded)
         logger.warning(
             "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB%s)", num_blocks, bs, num_blocks * bs,
