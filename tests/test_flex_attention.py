@@ -24,16 +24,17 @@ from worker.runner.kv_pool import PagedKVCache
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def both_ways(cache, rows, cached, q_lens, table, q, heads, kv_heads, softcap=None, compiled=False, window=None):
+def both_ways(cache, rows, cached, q_lens, table, q, heads, kv_heads, softcap=None, compiled=False, window=None,
+              sinks=None):
     flex = FlexPagedAttention(heads, kv_heads, compiled=compiled)
     flex.windows.add(window)  # as the load's probe would have found it
     plan = AttentionPlan.build(cache, rows, cached, q_lens, table, torch.device("cpu"), flex)
     assert plan.kernel_state is not None
     scale = q.shape[-1] ** -0.5
-    got = attend_cached(q, plan, 0, scale, window, softcap)
+    got = attend_cached(q, plan, 0, scale, window, softcap, sinks)
     assert flex.declined == 0
     reference = AttentionPlan.build(cache, rows, cached, q_lens, table, torch.device("cpu"))
-    want = attend_cached(q, reference, 0, scale, window, softcap)
+    want = attend_cached(q, reference, 0, scale, window, softcap, sinks)
     return got, want
 
 
@@ -43,12 +44,16 @@ def both_ways(cache, rows, cached, q_lens, table, q, heads, kv_heads, softcap=No
     q_lens=st.lists(st.sampled_from([1, 1, 1, 2, 5, 16, 17, 40, 90]), min_size=1, max_size=6),
     depth=st.sampled_from([0, 9, 70]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 4]),
     dim=st.sampled_from([16, 32]), block=st.sampled_from([8, 16]), softcap=st.sampled_from([None, 5.0]),
-    shared=st.sampled_from([0, 2]), window=st.sampled_from([None, None, 5, 24]),
+    shared=st.sampled_from([0, 2]), window=st.sampled_from([None, None, 5, 24]), sinks=st.booleans(),
 )
-def test_flex_equals_the_torch_path(seed, q_lens, depth, kv_heads, group, dim, block, softcap, shared, window):
+def test_flex_equals_the_torch_path(seed, q_lens, depth, kv_heads, group, dim, block, softcap, shared, window, sinks):
+    """With and without attention sinks (gpt-oss: applied to FlexAttention's output
+    through its log-sum-exp)."""
     cache, rows, cached, lens, table, q = random_paged_case(seed, q_lens, depth, kv_heads, group, dim, block,
                                                             torch.float32, shared)
-    got, want = both_ways(cache, rows, cached, lens, table, q, kv_heads * group, kv_heads, softcap, window=window)
+    sink = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) * 2 if sinks else None
+    got, want = both_ways(cache, rows, cached, lens, table, q, kv_heads * group, kv_heads, softcap, window=window,
+                          sinks=sink)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 

@@ -62,7 +62,7 @@ def run_both_ways(path: str, tol: float, **config) -> tuple[int, float]:
     return worst[0], worst[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"])
 def test_fused_logits_match_the_transformers_forward(tmp_path_factory, arch):
     steps, worst = run_both_ways(tiny(tmp_path_factory, arch), tol=1e-4)
     assert steps > 20
@@ -97,7 +97,7 @@ def test_merged_projections_compute_the_models_own_projections(tmp_path_factory)
                 torch.testing.assert_close(getattr(parent, name)(x), getattr(ref_parent, name)(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("arch", "config"), [("gemma2", {}), ("llama", {"cpu_fused_decoder": False})])
+@pytest.mark.parametrize(("arch", "config"), [("gpt_oss", {}), ("llama", {"cpu_fused_decoder": False})])
 def test_other_families_and_the_switch_keep_the_transformers_forward(tmp_path_factory, arch, config):
     assert make_worker(tiny(tmp_path_factory, arch), **config)._runner.backend.decoder is None
 

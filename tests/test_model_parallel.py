@@ -28,9 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM, RequestOutput
-from helpers import prompts
+from helpers import assert_greedy_equal, generate, prompts
 from hypothesis_budget import examples
 from sampler.params import SamplingParams
+from tiny_model import build_tiny_model
 from worker.cpu.shm_allreduce import ShmAllReduce
 from worker.parallel.layout import (
     ModelShape,
@@ -167,6 +168,27 @@ def test_tensor_shards_put_back_together_are_the_checkpoint(tiny_model_path, ful
         assert m.config.num_attention_heads == 4 // tp and not m.config.tie_word_embeddings
 
 
+def test_fused_projections_shard_per_part(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj: each rank holds its query heads, its
+    key/value heads and its MLP columns of each part, joined in the checkpoint's order."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(build_tiny_model(tmp_path / "phi3", arch="phi3"))
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0]
+    shards = [_shard(path, 2, 1, r)[0].model.layers[0] for r in range(2)]
+    heads, kv, dim, width = 4, 2, 16, 128
+    w = full.self_attn.qkv_proj.weight
+    q, k, v = w.split([heads * dim, kv * dim, kv * dim])
+    for r, layer in enumerate(shards):
+        got = layer.self_attn.qkv_proj.weight
+        parts = [t[r * n * dim // 2 : (r + 1) * n * dim // 2] for t, n in ((q, heads), (k, kv), (v, kv))]
+        assert torch.equal(got, torch.cat(parts))
+        gate, up = full.mlp.gate_up_proj.weight.split([width, width])
+        half = width // 2
+        assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([gate[r * half : (r + 1) * half],
+                                                                     up[r * half : (r + 1) * half]]))
+
+
 def test_pipeline_stages_hold_their_layers_only(tiny_model_path, full_model):
     (first, l0, _), (last, l1, _) = (_shard(tiny_model_path, 1, 2, r) for r in range(2))
     assert len(first.model.layers) == len(last.model.layers) == 1 and (l0.layers, l1.layers) == (range(0, 1), range(1, 2))
@@ -241,6 +263,25 @@ def single(ray_local, tiny_model_path, workload):
         yield llm.generate(*workload, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("arch,tp,pp", [("qwen3", 2, 1), ("gemma3_text", 1, 2), ("phi3", 2, 1), ("gemma2", 2, 1)])
+def test_the_fused_families_split_answer_as_transformers(ray_local, tmp_path_factory, arch, tp, pp):
+    """The families the fused decoder runs split across ranks (q/k norms, sandwich norms,
+    soft caps, a rotary base per layer type, fused projections): greedy tokens equal to
+    transformers' ``generate``, prompts longer than the window (24)."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ps = prompts(VOCAB, [5, 40, 70], seed=33)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        outs = llm.generate(ps, GREEDY.clone(logprobs=None, max_tokens=12), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for p, o in zip(ps, outs):
+        assert_greedy_equal(ref, p, o.outputs[0].token_ids, generate(ref, p, 12))
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2)])

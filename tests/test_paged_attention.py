@@ -57,9 +57,14 @@ def case(seed: int, rows: int, kv_heads: int, group: int, dim: int, block: int, 
     return cache, plan, q
 
 
-def run_kernel(q, cache, plan, scale, softcap, window):
+def run_kernel(q, cache, plan, scale, softcap, window, sinks=None):
     return CpuPagedKernel(load()).run(q, cache.keys[0], cache.values[0], plan.batched_block_table,
-                                      plan.batched_kv_lens, plan.batched_query_lens, scale, softcap, window)
+                                      plan.batched_kv_lens, plan.batched_query_lens, scale, softcap, window, sinks)
+
+
+def random_sinks(draw: bool, heads: int, seed: int) -> torch.Tensor | None:
+    """gpt-oss's per-head sinks (None: none), of the scores' own size."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed + 5)) * 2 if draw else None
 
 
 @settings(max_examples=examples(60), deadline=None)
@@ -67,20 +72,21 @@ def run_kernel(q, cache, plan, scale, softcap, window):
     seed=st.integers(0, 2**16), rows=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4]), dim=st.sampled_from([16, 22, 64]), block=st.sampled_from([4, 16]),
     window=st.sampled_from([None, 1, 5, 24, 300]), softcap=st.sampled_from([None, 5.0]),
-    depth=st.sampled_from([70, 700]), max_query=st.sampled_from([6, 16]),
+    depth=st.sampled_from([70, 700]), max_query=st.sampled_from([6, 16]), sinks=st.booleans(),
 )
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_kernel_equals_the_torch_path(isa, seed, rows, kv_heads, group, dim, block, window, softcap, depth,
-                                          max_query):
+                                          max_query, sinks):
     """Single decodes and short query runs (the per-query path) and rows of 16 or more
     query lanes per KV head (the lanes path, on each instruction set: lane counts not a
     multiple of 8 or 16, head dims not a multiple of 4, windows that hide whole tiles
-    from some lanes)."""
+    from some lanes), with and without attention sinks."""
     cache, plan, q = case(seed, rows, kv_heads, group, dim, block, torch.float32, depth, max_query)
     scale = dim ** -0.5
-    want = _batched_by_gathering(q, cache.keys[0], cache.values[0], plan, scale, softcap, window)
+    sink = random_sinks(sinks, kv_heads * group, seed)
+    want = _batched_by_gathering(q, cache.keys[0], cache.values[0], plan, scale, softcap, window, sink)
     with tiled_isa(isa):
-        got = run_kernel(q, cache, plan, scale, softcap, window)
+        got = run_kernel(q, cache, plan, scale, softcap, window, sink)
     valid = plan.batched_valid
     assert torch.allclose(got[valid], want[valid].float(), atol=2e-5, rtol=1e-4), (got[valid] - want[valid]).abs().max()
 
@@ -105,16 +111,16 @@ def test_bfloat16_pools(isa, max_query, dim, block):
     seed=st.integers(0, 2**16), chunks=st.lists(st.tuples(st.integers(17, 300), st.integers(0, 400)), min_size=1, max_size=3),
     decodes=st.integers(0, 3), group=st.sampled_from([1, 3]), block=st.sampled_from([4, 16]),
     window=st.sampled_from([None, 7, 200]), softcap=st.sampled_from([None, 5.0]), queries=st.sampled_from([1, 16, 32]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]), sinks=st.booleans(),
 )
 @pytest.mark.parametrize("isa", ISAS)
 def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, decodes, group, block, window, softcap,
-                                                            queries, dtype):
+                                                            queries, dtype, sinks):
     """A step with prefill chunks (fresh, and after cached tokens; longer and shorter
     than a kernel row) beside decodes: ``attend_cached`` with the chunks cut into
     kernel rows and the decodes beside them, all read in place from a column view of
     a merged q/k/v projection (tokens further apart than their heads), against the
-    torch path (gather + SDPA per chunk), windows and softcap included."""
+    torch path (gather + SDPA per chunk), windows, softcap and sinks included."""
     rng = np.random.default_rng(seed)
     kv_heads, dim = 2, 32
     n_tok = np.array([n for n, _ in chunks] + [1] * decodes)
@@ -139,8 +145,9 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
     kernel = CpuPagedKernel(load(), prefill_queries=queries)
     plan = AttentionPlan.build(cache, np.arange(rows), computed, n_tok, table, torch.device("cpu"), kernel)
     assert plan.kernel_state is not None
+    sink = random_sinks(sinks, heads, seed)
     with tiled_isa(isa):
-        got = attend_cached(q, plan, 0, dim ** -0.5, window, softcap)
+        got = attend_cached(q, plan, 0, dim ** -0.5, window, softcap, sink)
     # the reference runs in float32 on the same values: a bf16 torch path rounds its
     # own intermediates and is no more exact than the kernel it would judge
     exact = PagedKVCache(1, num_blocks, block, kv_heads, dim, torch.float32, torch.device("cpu"))
@@ -148,7 +155,7 @@ def test_prefill_chunks_as_kernel_rows_equal_the_chunk_path(isa, seed, chunks, d
     exact.values[0].copy_(cache.values[0].float())
     plan = AttentionPlan.build(exact, np.arange(rows), computed, n_tok, table, torch.device("cpu"))
     assert plan.kernel_state is None
-    want = attend_cached(q.float(), plan, 0, dim ** -0.5, window, softcap)
+    want = attend_cached(q.float(), plan, 0, dim ** -0.5, window, softcap, sink)
     assert got.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (2**-8 relative)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
@@ -237,3 +244,40 @@ def test_the_torch_path_takes_sdpa_outputs_in_any_layout(monkeypatch):
     got = attend_cached(q, AttentionPlan.build(cache, rows, cached, lens, table, torch.device("cpu")), 0, 0.125,
                         None, None)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(seed=st.integers(0, 2**16), cached=st.integers(0, 60), n=st.integers(1, 40), block=st.sampled_from([4, 16]),
+       window=st.sampled_from([None, 5, 24]), kernel=st.booleans())
+def test_attention_sinks_equal_transformers_gpt_oss(seed, cached, n, block, window, kernel):
+    """Sinks against transformers' own gpt-oss attention (its eager function, on the
+    row's whole keys and values with an additive causal/window mask): a chunk of ``n``
+    queries after ``cached`` tokens, blocks shuffled, on the torch path and the kernel."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    kv_heads, group, dim = 2, 3, 16
+    heads = kv_heads * group
+    g = torch.Generator().manual_seed(seed)
+    total = cached + n
+    k = torch.randn(1, kv_heads, total, dim, generator=g)
+    v = torch.randn(1, kv_heads, total, dim, generator=g)
+    q = torch.randn(1, heads, n, dim, generator=g)
+    sinks = torch.randn(heads, generator=g) * 2
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = sinks, group, False
+    pos = torch.arange(cached, total).unsqueeze(1)
+    keys = torch.arange(total)
+    seen = (keys <= pos) & ((keys > pos - window) if window else True)
+    mask = torch.zeros(n, total).masked_fill(~seen, float("-inf"))
+    want, _ = eager_attention_forward(module, q, k, v, mask.view(1, 1, n, total), dim ** -0.5)
+
+    need = -(-total // block)
+    cache = PagedKVCache(1, need + 3, block, kv_heads, dim, torch.float32, torch.device("cpu"))
+    table = np.random.default_rng(seed).permutation(need + 3)[: need + 1].astype(np.int32).reshape(1, -1)
+    for p in range(total):
+        cache.keys[0][table[0, p // block], :, p % block] = k[0, :, p]
+        cache.values[0][table[0, p // block], :, p % block] = v[0, :, p]
+    plan = AttentionPlan.build(cache, np.array([0]), np.array([cached]), np.array([n]), table, torch.device("cpu"),
+                               CpuPagedKernel(load()) if kernel else None)
+    got = attend_cached(q[0].transpose(0, 1).contiguous(), plan, 0, dim ** -0.5, window, None, sinks)
+    torch.testing.assert_close(got, want[0], rtol=1e-4, atol=2e-5)

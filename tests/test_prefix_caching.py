@@ -3,8 +3,8 @@ transformers ``generate`` with prefix caching on and off, caching that never cha
 result (tokens, logprobs, prompt logprobs), ``num_cached_tokens``, the ``n`` samples of a
 request computing their prompt once, a pool too small for the batch (preemption), routing
 to the worker that holds a prefix, and the attention features: sliding windows
-(Mistral), soft-capped logits with sliding and global layers (Gemma 2) equal to
-transformers, attention sinks (gpt-oss) refused at load, naming the feature."""
+(Mistral), soft-capped logits with sliding and global layers (Gemma 2), attention sinks
+with sliding and global layers (gpt-oss), all equal to transformers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from cluster import LLM
 from helpers import assert_greedy_equal, generate, prompts
 from sampler.params import SamplingParams
 from tiny_model import build_tiny_model
-from worker.runner.model_loader import ModelLoadError
 
 VOCAB = 400
 BS = 16
@@ -121,10 +120,11 @@ def test_requests_go_to_the_worker_that_holds_their_prefix(ray_local, tiny_model
 # -- attention features ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_sliding_windows_and_softcaps_match_transformers(ray_local, tmp_path_factory, arch):
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gpt_oss"])
+def test_sliding_windows_softcaps_and_sinks_match_transformers(ray_local, tmp_path_factory, arch):
     """Prompts longer than the window (24 tokens): the paged path must apply it, in the
-    batched decode and the chunked prefill alike, and Gemma 2's capped logits."""
+    batched decode and the chunked prefill alike, and Gemma 2's capped logits, gpt-oss's
+    sinks."""
     path = str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch))
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ps = prompts(VOCAB, [5, 30, 70, 12], seed=70)
@@ -135,9 +135,3 @@ def test_sliding_windows_and_softcaps_match_transformers(ray_local, tmp_path_fac
         llm.shutdown()
     for p, o in zip(ps, outs):
         assert_greedy_equal(ref, p, o.outputs[0].token_ids, generate(ref, p, 30))
-
-
-def test_attention_sinks_are_refused_naming_them(ray_local, tmp_path_factory):
-    path = str(build_tiny_model(tmp_path_factory.mktemp("gpt_oss"), arch="gpt_oss"))
-    with pytest.raises(ModelLoadError, match="attention sinks"):
-        LLM(path, max_num_seqs=2, max_model_len=128, worker_num_cpus=1, worker_start_timeout_s=120)

@@ -21,9 +21,10 @@ SPECIAL = ["<|endoftext|>", "<think>", "</think>"]
 def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch: str = "llama", **overrides) -> Path:
     """Writes model + tokenizer into ``folder`` (once) and returns it. ``arch`` picks
     the architecture: "llama" (the default), "qwen2" (projection biases), "mistral" (a
-    sliding window), "gemma2"
-    (soft-capped attention logits, sliding and global layers) or "gpt_oss" (attention
-    sinks); ``overrides`` go to its config."""
+    sliding window), "gemma2" (soft-capped attention logits, sliding and global layers),
+    "gpt_oss" (attention sinks), "qwen3" (q/k norms), "phi3" (fused projections),
+    "gemma" or "gemma3_text" (sandwich norms, q/k norms, a rotary base per layer type);
+    ``overrides`` go to its config."""
     folder = Path(folder)
     if (folder / "config.json").exists():
         return folder
@@ -51,6 +52,11 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
                    "layer_types": ["sliding_attention", "full_attention"]},
         "gpt_oss": {"head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1,
                     "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 24},
+        "qwen3": {"head_dim": 16, "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+        "phi3": {"sliding_window": 24},  # fused qkv_proj and gate_up_proj
+        "gemma": {"head_dim": 16},
+        "gemma3_text": {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16,
+                        "layer_types": ["sliding_attention", "full_attention"]},
     }[arch]
     config = AutoConfig.for_model(arch, **{**common, **extra, **overrides})
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """The CPU backend: the compiled kernels of ``csrc/`` put to work on a loaded model.
 
-In order: the fused decoder (Llama-shaped models: each layer's q/k/v and gate/up
-projections merged first), the packed linears (column panels, a library GEMM's copy
+In order: the fused decoder (``fused_decoder.FAMILIES``: each layer's q/k/v and
+gate/up projections merged first), the packed linears (column panels, a library GEMM's copy
 for large calls, oneDNN's packing elsewhere), the quantized linears on their kernel
 (``quant_linear.py``), the paged-attention kernel. Each has an
 ``EngineConfig`` switch (``cpu_fused_decoder``, ``cpu_packed_linear``,

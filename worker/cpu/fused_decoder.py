@@ -1,5 +1,5 @@
-"""The CPU decoder path for Llama-shaped models: the same layers as the transformers
-model, run with a handful of fused ops per layer.
+"""The CPU decoder path for the Llama, Qwen, Phi-3 and Gemma families: the same layers
+as the transformers model, run with a handful of fused ops per layer.
 
 transformers' eager forward dispatches ~30 ops per layer from Python (norms written out
 as pow / mean / rsqrt / mul, rotary as slices, cat and muls, the residual adds, views
@@ -26,9 +26,11 @@ place:
 (oneDNN can fuse SiLU, the product and the adds into the matmuls as post-ops; those ran
 slower than separate passes here.)
 
-It applies where the model is one of the families whose layers are exactly that
-(``FAMILIES``: Llama, Mistral, Qwen2, with or without projection biases, any rotary
-scaling transformers implements, sliding windows), on CPU, float32 or bfloat16, with
+That is a Llama layer; the other families fill in more parts of the same description
+(``LayerParts``: per-head q/k norms, sandwich norms, Gemma's norms and GELU-tanh, soft
+caps, fused checkpoint projections, a rotary per layer type). It applies where the
+model is one of ``FAMILIES`` (with or without projection biases, any rotary scaling
+transformers implements, sliding windows), on CPU, float32 or bfloat16, with
 the CPU kernels built; anywhere else the transformers forward runs (it stays the
 reference: ``tests/test_fused_decoder.py`` checks this path's logits and greedy tokens
 against it, and ``cpu_fused_decoder=False`` turns this path off).
@@ -55,8 +57,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raydecode")
 
-#: model_type -> the causal-LM class whose decoder layers this path reproduces.
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: model_type -> the causal-LM class whose decoder layers this path reproduces: each
+#: family's layer is the same sequence of parts (``LayerParts``), some absent or named
+#: otherwise (``describe_layer``).
+FAMILIES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+}
+#: families whose attention reads its sliding window from the config (the others keep
+#: it on the attention module, per layer)
+WINDOW_FROM_CONFIG = {"mistral", "phi3"}
+#: RMSNorms that scale by ``1 + weight`` (Gemma's): the fused op is given ``1 + weight``
+OFFSET_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
+#: the MLP activations this path runs (``config.hidden_activation`` or ``hidden_act``)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -88,8 +103,9 @@ def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], lis
 
 def merge_projections(model: nn.Module) -> int:
     """Merges each layer's q, k, v and its gate, up projections into one linear each
-    (``worker.cpu.packed_linear.merge_linears``); the number of groups merged. Run before
-    the linears are packed."""
+    (``worker.cpu.packed_linear.merge_linears``); the number of groups merged (a family
+    that ships them fused, Phi-3's ``qkv_proj`` / ``gate_up_proj``, has none to merge).
+    Run before the linears are packed."""
     merged = 0
     for layer in model.model.layers:
         merged += merge_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
@@ -98,11 +114,44 @@ def merge_projections(model: nn.Module) -> int:
 
 
 @dataclass
-class FusedLayer:
-    input_norm: torch.Tensor  # [hidden]
-    input_eps: float
-    post_norm: torch.Tensor
-    post_eps: float
+class Norm:
+    """An RMSNorm as the fused op applies it: ``out = weight * x / rms(x)``."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+def norm_of(module: nn.Module | None) -> Norm | None:
+    """The RMSNorm ``module`` as a ``Norm`` (Gemma's ``1 + weight`` folded in); None for
+    anything else."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return None
+    if type(module).__name__ in OFFSET_NORMS and hasattr(module, "eps"):
+        return Norm((1.0 + weight.detach().float()).to(weight.dtype), float(module.eps))
+    if hasattr(module, "variance_epsilon"):
+        return Norm(weight.detach(), float(module.variance_epsilon))
+    return None
+
+
+@dataclass
+class LayerParts:
+    """One decoder layer as a sequence of parts, the same for every family; a family
+    fills in the parts it has (``describe_layer``)::
+
+        x = input_norm(h)                      (h += the previous layer's MLP output first)
+        q, k, v = qkv(x)                       (one merged or fused matmul, or three)
+        q, k = q_norm(q), k_norm(k)            (per head: Qwen3, Gemma 3)
+        rotary on q and k (the rotary of the layer's type), k and v into the pool
+        a = o_proj(attention(q))               (window, softcap, scaling of the layer)
+        a = post_attn_norm(a)                  (sandwich norms: Gemma 2, 3)
+        x = pre_mlp_norm(h += a)
+        m = down_proj(act(gate) * up)          (SiLU, or GELU-tanh: Gemma)
+        m = post_mlp_norm(m)                   (sandwich norms)
+    """
+
+    input_norm: Norm
+    pre_mlp_norm: Norm
     qkv: tuple[nn.Module, ...]  # the merged q/k/v linear, or q, k and v
     qkv_sizes: list[int] | None  # its split when merged
     o_proj: nn.Module
@@ -111,6 +160,50 @@ class FusedLayer:
     down_proj: nn.Module
     scaling: float
     sliding_window: int | None
+    softcap: float | None = None
+    activation: str = "silu"
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    post_attn_norm: Norm | None = None
+    post_mlp_norm: Norm | None = None
+    #: the layer type whose rotary embedding the layer takes (None: the model's one)
+    rotary: str | None = None
+
+
+#: the old name (tests and tools import it)
+FusedLayer = LayerParts
+
+
+def describe_layer(layer: nn.Module, config: Any) -> LayerParts:
+    """A transformers decoder layer of one of ``FAMILIES`` as ``LayerParts``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = attn.head_dim
+    if hasattr(attn, "qkv_proj"):  # fused in the checkpoint (Phi-3)
+        qkv, qkv_sizes = (attn.qkv_proj,), [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    else:
+        qkv, qkv_sizes = projection_group([attn.q_proj, attn.k_proj, attn.v_proj])
+    if hasattr(mlp, "gate_up_proj"):  # gate rows first, then up (Phi-3)
+        width = mlp.gate_up_proj.out_features // 2
+        gate_up, gate_up_sizes = (mlp.gate_up_proj,), [width, width]
+    else:
+        gate_up, gate_up_sizes = projection_group([mlp.gate_proj, mlp.up_proj])
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    return LayerParts(
+        input_norm=norm_of(layer.input_layernorm),
+        pre_mlp_norm=norm_of(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+        post_attn_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
+        post_mlp_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
+        qkv=qkv, qkv_sizes=qkv_sizes, o_proj=attn.o_proj,
+        gate_up=gate_up, gate_up_sizes=gate_up_sizes, down_proj=mlp.down_proj,
+        scaling=float(attn.scaling),
+        sliding_window=_sliding_window(attn, config),
+        softcap=getattr(attn, "attn_logit_softcapping", None) or None,
+        activation=ACTIVATIONS[_activation(config)],
+        q_norm=norm_of(getattr(attn, "q_norm", None)),
+        k_norm=norm_of(getattr(attn, "k_norm", None)),
+        rotary=getattr(attn, "layer_type", None) if _rotary_per_layer_type(config) else None,
+    )
 
 
 class FusedDecoder:
@@ -124,49 +217,54 @@ class FusedDecoder:
         self.ops = ops
         self.group = group
         self.last_stage = group is None or group.layout.last_stage
-        self.vocab_size = int(model.config.vocab_size)
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb
         if self.last_stage:
-            self.final_norm = inner.norm.weight.detach()
-            self.final_eps = float(inner.norm.variance_epsilon)
+            self.final_norm = norm_of(inner.norm)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
         self.lm_head = model.lm_head
-        self.layers = [self._layer(layer, model.config) for layer in inner.layers]
+        self.layers = [describe_layer(layer, config) for layer in inner.layers]
+        self.rotary_types = sorted({layer.rotary for layer in self.layers if layer.rotary is not None})
 
-    @staticmethod
-    def _layer(layer: nn.Module, config: Any) -> FusedLayer:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, qkv_sizes = projection_group([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, gate_up_sizes = projection_group([mlp.gate_proj, mlp.up_proj])
-        return FusedLayer(
-            input_norm=layer.input_layernorm.weight.detach(),
-            input_eps=float(layer.input_layernorm.variance_epsilon),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-            qkv=qkv, qkv_sizes=qkv_sizes, o_proj=attn.o_proj,
-            gate_up=gate_up, gate_up_sizes=gate_up_sizes, down_proj=mlp.down_proj,
-            scaling=float(attn.scaling),
-            sliding_window=_sliding_window(attn, config),
-        )
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, norm: Norm, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of ``x``; with ``residual``: ``residual += x`` (in place) first, and
         the norm of the sum."""
         out = torch.empty_like(x)
-        self.ops.rms_norm(out, x, residual, weight, eps)
+        self.ops.rms_norm(out, x, residual, norm.weight, norm.eps)
         return out
 
-    def mlp(self, x: torch.Tensor, layer: FusedLayer) -> torch.Tensor:
+    def head_norm(self, x: torch.Tensor, norm: Norm, tokens: int) -> torch.Tensor:
+        """A per-head RMSNorm (Qwen3's, Gemma 3's q/k norms) of ``x`` ``[T, heads *
+        head_dim]`` (a column view is copied): ``[T, heads * head_dim]``, contiguous."""
+        dim = norm.weight.shape[0]
+        # (one head of a column view reshapes to a view with the view's row stride)
+        return self.rms_norm(x.reshape(-1, dim).contiguous(), norm).view(tokens, -1)
+
+    def mlp(self, x: torch.Tensor, layer: LayerParts) -> torch.Tensor:
         gate, up = projections(x, layer.gate_up, layer.gate_up_sizes)
-        act = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
-        self.ops.silu_mul(act, gate, up)
+        if layer.activation == "silu":
+            act = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
+            self.ops.silu_mul(act, gate, up)
+        else:
+            act = F.gelu(gate, approximate="tanh") * up
         return linear(act, layer.down_proj)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the tensor ranks of a row-parallel projection's output."""
         return x if self.group is None else self.group.all_reduce(x)
+
+    def rotary(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's cos and sin ``[T, rotary dims]``, per layer type where the model's
+        rotary embedding depends on it (Gemma 3's local and global bases)."""
+        pos = position_ids.unsqueeze(0)
+        out = {}
+        for kind in self.rotary_types or [None]:
+            cos, sin = self.rotary_emb(h, pos) if kind is None else self.rotary_emb(h, pos, kind)
+            out[kind] = (cos[0].contiguous(), sin[0].contiguous())
+        return out
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
                 logits_rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -177,39 +275,61 @@ class FusedDecoder:
         the logits (the others None)."""
         # [T, hidden]: the residual stream, updated in place
         h = self.embed_tokens(input_ids) if hidden is None else hidden
-        cos, sin = self.rotary_emb(h, position_ids.unsqueeze(0))
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        rotary = self.rotary(h, position_ids)
         tokens = h.shape[0]
         cache = plan.cache
         head_dim = cache.keys[0].shape[-1]
         out = None  # the previous layer's MLP output, still to be added into h
         for index, layer in enumerate(self.layers):
-            if out is None:
-                x = self.rms_norm(h, layer.input_norm, layer.input_eps)
-            else:
-                x = self.rms_norm(out, layer.input_norm, layer.input_eps, residual=h)
+            x = self.rms_norm(h, layer.input_norm) if out is None else self.rms_norm(out, layer.input_norm, residual=h)
             q, k, v = projections(x, layer.qkv, layer.qkv_sizes)
+            if layer.q_norm is not None:
+                q = self.head_norm(q, layer.q_norm, tokens)
+            if layer.k_norm is not None:
+                k = self.head_norm(k, layer.k_norm, tokens)
+            cos, sin = rotary[layer.rotary]
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
-            a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window, None)
+            a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window,
+                              layer.softcap)
             attn_out = self.reduce(linear(a.reshape(tokens, -1), layer.o_proj))
-            x = self.rms_norm(attn_out, layer.post_norm, layer.post_eps, residual=h)
+            if layer.post_attn_norm is not None:
+                attn_out = self.rms_norm(attn_out, layer.post_attn_norm)
+            x = self.rms_norm(attn_out, layer.pre_mlp_norm, residual=h)
             out = self.reduce(self.mlp(x, layer))
+            if layer.post_mlp_norm is not None:
+                out = self.rms_norm(out, layer.post_mlp_norm)
         h.add_(out)
         if not self.last_stage:
             return h
-        last = self.rms_norm(h.index_select(0, logits_rows), self.final_norm, self.final_eps)
+        last = self.rms_norm(h.index_select(0, logits_rows), self.final_norm)
         logits = linear(last, self.lm_head)
-        return logits if self.group is None else self.group.gather_logits(logits, self.vocab_size)
+        if self.group is not None:
+            logits = self.group.gather_logits(logits, self.vocab_size)
+        if logits is not None and self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def _sliding_window(attn: nn.Module, config: Any) -> int | None:
-    """The window the transformers layer passes to its attention call: Qwen2 keeps it
-    per layer, Mistral reads the config's, Llama has none."""
-    if hasattr(attn, "sliding_window"):
-        window = attn.sliding_window
+    """The window the transformers layer passes to its attention call: Qwen2, Qwen3 and
+    Gemma keep it per layer, Mistral and Phi-3 read the config's, Llama has none."""
+    if config.model_type in WINDOW_FROM_CONFIG:
+        window = getattr(config, "sliding_window", None)
     else:
-        window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        window = getattr(attn, "sliding_window", None)
     return int(window) if window else None
+
+
+def _activation(config: Any) -> str:
+    return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None))
+
+
+def _rotary_per_layer_type(config: Any) -> bool:
+    """Whether the model's rotary embedding takes the layer type (Gemma 3: local layers
+    rotate with their own base)."""
+    params = getattr(config, "rope_parameters", None)
+    types = set(getattr(config, "layer_types", None) or [])
+    return bool(types) and isinstance(params, dict) and types <= set(params)
 
 
 def fused_decoder_applies(model: nn.Module, ops: Any | None) -> bool:
@@ -221,6 +341,13 @@ def fused_decoder_applies(model: nn.Module, ops: Any | None) -> bool:
     return reason is None
 
 
+#: the children a layer, its attention and its MLP may have (dropouts aside: no-ops here)
+LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm"}
+ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_norm", "k_norm"}
+MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "gate_up_proj", "act_fn", "activation_fn"}
+
+
 def _why_not(model: nn.Module, ops: Any | None) -> str | None:
     if ops is None or not hasattr(ops, "rotary_to_cache"):
         return "the CPU kernels are not built"
@@ -228,8 +355,8 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is None or type(model).__name__ != family:
         return f"{type(model).__name__} ({getattr(config, 'model_type', None)}) is not one of {sorted(FAMILIES.values())}"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {config.hidden_act!r} (only silu)"
+    if _activation(config) not in ACTIVATIONS:
+        return f"activation {_activation(config)!r} (only {sorted(ACTIVATIONS)})"
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
         return f"{param.device.type} {param.dtype} (CPU float32 or bfloat16 only)"
@@ -237,22 +364,40 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
     needed = ("embed_tokens", "rotary_emb", "norm", "layers")
     if inner is None or any(not hasattr(inner, name) for name in needed):
         return "the model lacks the Llama layout (model.embed_tokens, rotary_emb, norm, layers)"
+    if norm_of(inner.norm) is None:
+        return "the final norm is not an RMSNorm"
+    linear_kinds = (nn.Linear, PackedLinear, PanelLinear, LinearSlice, QuantizedLinear, QuantPanelLinear)
     for layer in inner.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        linear_kinds = (nn.Linear, PackedLinear, PanelLinear, LinearSlice, QuantizedLinear, QuantPanelLinear)
-        if any(not isinstance(p, linear_kinds) for p in projections):
+        extra = _children(layer) - LAYER_PARTS
+        extra |= {f"self_attn.{n}" for n in _children(attn) - ATTENTION_PARTS}
+        extra |= {f"mlp.{n}" for n in _children(mlp) - MLP_PARTS}
+        if extra:
+            return f"a layer has modules this path does not run ({sorted(extra)})"
+        names = [("qkv_proj",)] if hasattr(attn, "qkv_proj") else [("q_proj", "k_proj", "v_proj")]
+        names += [("gate_up_proj",)] if hasattr(mlp, "gate_up_proj") else [("gate_proj", "up_proj")]
+        parts = [getattr(attn, n, None) for n in names[0] + ("o_proj",)] + [getattr(mlp, n, None) for n in names[1]]
+        parts.append(getattr(mlp, "down_proj", None))
+        if any(not isinstance(p, linear_kinds) for p in parts):
             return "a layer's projections are not plain linear layers"
-        norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
-        if any(not hasattr(n, "variance_epsilon") or not hasattr(n, "weight") for n in norms):
+        norms = [getattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                              "post_feedforward_layernorm") if hasattr(layer, n)]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if any(norm_of(n) is None for n in norms):
             return "a layer's norms are not RMSNorm"
-        extra = {name for name, _ in layer.named_children()} - {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-        if extra or {name for name, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj"}:
-            return f"a layer has modules this path does not run ({sorted(extra) or 'in self_attn'})"
     head_dim = getattr(inner.layers[0].self_attn, "head_dim", None)
     probe = torch.zeros(1, 1, dtype=param.dtype)
-    cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
-    if cos.shape[-1] != head_dim:
-        return f"partial rotary ({cos.shape[-1]} of {head_dim} dimensions)"
+    position = torch.zeros(1, 1, dtype=torch.long)
+    kinds = sorted(set(getattr(config, "layer_types", None) or [])) if _rotary_per_layer_type(config) else [None]
+    for kind in kinds:
+        cos, _ = inner.rotary_emb(probe, position) if kind is None else inner.rotary_emb(probe, position, kind)
+        if cos.shape[-1] != head_dim:
+            return f"partial rotary ({cos.shape[-1]} of {head_dim} dimensions)"
     return None
+
+
+def _children(module: nn.Module | None) -> set[str]:
+    """``module``'s child names, dropouts left out (they do nothing at inference)."""
+    if module is None:
+        return set()
+    return {name for name, child in module.named_children() if not isinstance(child, nn.Dropout)}

@@ -75,22 +75,22 @@ class CpuPagedKernel:
                                 plan.cache.block_size, self.prefill_queries, plan.token_positions.device)
 
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
-               softcap: float | None) -> torch.Tensor | None:
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         k_pool, v_pool = plan.cache.keys[layer], plan.cache.values[layer]
         if not self.applies(q_all, k_pool):
             return None
         rows: KernelRows | None = plan.kernel_state
         if rows is not None:  # prefill chunks (and decodes): one call, in place
             return self.run_packed(q_all, k_pool, v_pool, rows.block_table, rows.kv_lens, rows.query_lens, rows.starts,
-                                   scale, softcap, window)
+                                   scale, softcap, window, sinks)
         batched = (plan.batched_block_table, plan.batched_kv_lens, plan.batched_query_lens)
         if plan.batched_query_len == 1:  # every row a single decode: already the kernel's layout
-            return self.run(q_all, k_pool, v_pool, *batched, scale, softcap, window)
+            return self.run(q_all, k_pool, v_pool, *batched, scale, softcap, window, sinks)
         # Short query runs (speculative drafts): padded to the longest, then packed back.
         b, q_len = plan.num_batched, plan.batched_query_len
         heads, dim = q_all.shape[1], q_all.shape[2]
         o = self.run(q_all[plan.batched_index].view(b * q_len, heads, dim), k_pool, v_pool, *batched, scale, softcap,
-                     window)
+                     window, sinks)
         out = q_all.new_empty(q_all.shape)
         out[plan.batched_index.reshape(-1)[plan.batched_valid]] = o[plan.batched_valid].to(out.dtype)
         return out
@@ -101,20 +101,20 @@ class CpuPagedKernel:
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
             kv_lens: torch.Tensor, query_lens: torch.Tensor, scale: float, softcap: float | None,
-            window: int | None) -> torch.Tensor:
+            window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B * Q, heads, D]`` (row b's queries are the last ``query_lens[b]`` of its
         ``kv_lens[b]`` positions) -> ``[B * Q, heads, D]`` (rows past a row's queries
         are zeros)."""
         out = torch.zeros(q.shape, dtype=torch.float32)
         self.module.paged_attention(
             out, q.contiguous(), k_pool, v_pool, block_table, kv_lens, query_lens,
-            float(scale), float(softcap or 0.0), int(window or 0),
+            float(scale), float(softcap or 0.0), int(window or 0), _sinks(sinks),
         )
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def run_packed(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                    kv_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, scale: float,
-                   softcap: float | None, window: int | None) -> torch.Tensor:
+                   softcap: float | None, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q [T, heads, D]``, the step's packed queries (a token's heads contiguous,
         tokens any stride apart: a column view of the merged q/k/v projection is read
         as it is); kernel row b's queries are tokens ``starts[b]`` on, the last
@@ -125,6 +125,14 @@ class CpuPagedKernel:
         out = torch.empty(q.shape, dtype=torch.float32)
         self.module.paged_attention_packed(
             out, q, k_pool, v_pool, block_table, kv_lens, query_lens, starts,
-            float(scale), float(softcap or 0.0), int(window or 0),
+            float(scale), float(softcap or 0.0), int(window or 0), _sinks(sinks),
         )
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_NO_SINKS = torch.empty(0)
+
+
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor:
+    """The heads' sinks as the kernel takes them: float32 ``[heads]``, or empty for none."""
+    return _NO_SINKS if sinks is None else sinks.detach().float().contiguous()

@@ -261,7 +261,7 @@ class FlexPagedAttention:
     # -- per layer ----------------------------------------------------------------
 
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
-               softcap: float | None) -> torch.Tensor | None:
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         step: FlexStep | None = plan.kernel_state
         self.windows.add(window)  # prepared from the next step on, if it was not
         calls = [call for call in step.calls if call.window == window] if step is not None else []
@@ -288,7 +288,13 @@ class FlexPagedAttention:
             options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": call.block_mask.BLOCK_SIZE[0],
                        "BLOCK_N": call.block_mask.BLOCK_SIZE[1]} if cuda else None
             o = flex(q, k, v, score_mod=score_mod, block_mask=call.block_mask, scale=scale, enable_gqa=True,
-                     kernel_options=options)
+                     kernel_options=options, **_lse_request(sinks))
+            if sinks is not None:
+                # A sink adds exp(sink) to the softmax's sum: the output shrinks by
+                # sum / (sum + exp(sink)) = sigmoid(lse - sink). Folded query i is head i % group.
+                o, lse = o[0], o[1].lse
+                sink = sinks.float().view(1, kv_heads, 1, group).expand(1, kv_heads, length, group)
+                o = o * torch.sigmoid(lse - sink.reshape(1, kv_heads, length * group)).unsqueeze(-1).to(o.dtype)
             o = o.view(b, kv_heads, length, group, dim).permute(0, 2, 1, 3, 4).reshape(b * length, *q_all.shape[1:])
             out.index_copy_(0, call.scatter, o.to(out.dtype))
         return out[:total]
@@ -302,6 +308,15 @@ def _compiled_flex(dynamic: bool) -> Any:
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(flex_attention, dynamic=dynamic)
+
+
+def _lse_request(sinks: torch.Tensor | None) -> dict[str, Any]:
+    """FlexAttention's arguments asking for the log-sum-exp when there are sinks."""
+    if sinks is None:
+        return {}
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 def _softcap(cap: float):

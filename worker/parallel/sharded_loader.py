@@ -58,8 +58,16 @@ from worker.runner.model_loader import (
 )
 
 #: model_type -> causal-LM class whose layers shard by the rules below (Llama-shaped:
-#: q/k/v/o projections, a gated MLP, RMSNorms).
-SHARDABLE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: q/k/v/o projections or Phi-3's fused qkv_proj, a gated MLP or its fused gate_up_proj,
+#: RMSNorms, per-head q/k norms, Gemma's sandwich norms: the fused decoder's families).
+SHARDABLE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+}
+#: families whose checkpoint fuses projections (their rows cut per part and joined):
+#: quantized weights do not join, so these shard from float checkpoints only
+FUSED_PROJECTIONS = {"phi3"}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -80,11 +88,14 @@ def local_config(config: Any, layout: RankLayout) -> Any:
     return local
 
 
-def shard_slice(key: str, layout: RankLayout, head_dim: int) -> tuple[str, Callable[[Any], torch.Tensor] | None]:
+def shard_slice(key: str, layout: RankLayout, head_dim: int,
+                shape: ModelShape | None = None) -> tuple[str, Callable[[Any], torch.Tensor] | None]:
     """For a key of the rank's model: the checkpoint key it comes from and how to cut
     the rank's part out of it (a function of a safetensors slice or a tensor; None:
     taken whole). ``o_proj`` and ``down_proj`` biases are kept by tensor rank 0 only
-    (the all-reduce would add them ``tp`` times)."""
+    (the all-reduce would add them ``tp`` times). A fused ``qkv_proj`` (its q, k and v
+    rows one after another) and ``gate_up_proj`` (gate rows, then up rows) give each
+    part's cut, joined (``shape``: the whole model's, for where each part starts)."""
     m = _LAYER.match(key)
     if m is None:
         if key == "lm_head.weight":
@@ -102,6 +113,13 @@ def shard_slice(key: str, layout: RankLayout, head_dim: int) -> tuple[str, Calla
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "q_proj":
         return source, lambda t: t[q0:q1]
+    if leaf == "qkv_proj" and shape is not None:
+        q_rows, kv_rows = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
+        return source, lambda t: torch.cat([t[q0:q1], t[q_rows + k0 : q_rows + k1],
+                                            t[q_rows + kv_rows + k0 : q_rows + kv_rows + k1]])
+    if leaf == "gate_up_proj" and shape is not None:
+        width = shape.intermediate_size
+        return source, lambda t: torch.cat([t[i0:i1], t[width + i0 : width + i1]])
     if leaf in ("k_proj", "v_proj"):
         return source, lambda t: t[k0:k1]
     if leaf in ("gate_proj", "up_proj"):
@@ -233,7 +251,7 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
         for key, param in hf_model.state_dict(keep_vars=True).items():
             if key in skip:
                 continue
-            source, cut = shard_slice(key, layout, shape.head_dim)
+            source, cut = shard_slice(key, layout, shape.head_dim, shape)
             if key == "lm_head.weight" and not reader.has(source):
                 source = "model.embed_tokens.weight"  # tied embeddings
             if not reader.has(source):
@@ -276,6 +294,13 @@ def _shardable(model: str | None, tp: int, pp: int, partition: str | None, trust
             f"{name}: tensor and pipeline parallelism support {sorted(SHARDABLE.values())}, "
             f"not {getattr(config, 'architectures', None) or config.model_type}"
         )
+    if config.model_type in FUSED_PROJECTIONS and tp > 1:
+        plan = plan_loading(path, name, kwargs, quantization)
+        if plan.action in (KEEP_GGUF, KEEP_COMPRESSED, ON_THE_FLY):
+            raise ModelLoadError(
+                f"{name}: {config.model_type}'s fused projections (qkv_proj, gate_up_proj) split across tensor ranks "
+                f"from float weights only, not {plan.scheme or plan.checkpoint}: run it with quantization none, or "
+                "with pipeline parallelism alone")
     try:
         return path, name, kwargs, config, check_parallel_sizes(config, tp, pp, partition)
     except ParallelSizeError as exc:

@@ -23,7 +23,7 @@ from worker.parallel.group import ParallelGroup, install_tensor_parallel_hooks
 from worker.parallel.layout import RankLayout
 from worker.parallel.sharded_loader import load_model_shard
 from worker.protocol import GroupRank, RowError, StepReply, StepRequest, StepTimings
-from worker.runner.attention import register_paged_attention
+from worker.runner.attention import plan_in_effect, register_paged_attention
 from worker.runner.attention_plan import AttentionPlan
 from worker.runner.backend import ChooseBackend, reference_backend
 from worker.runner.model_loader import LoadedModel
@@ -121,13 +121,17 @@ class ShardedModelRunner(ModelRunner):
         if self.backend.decoder is not None:
             out = self.backend.decoder.forward(input_ids, plan.token_positions, plan, keep, hidden=hidden)
         else:
-            out = self.model.model(
-                input_ids=input_ids.unsqueeze(0) if hidden is None else None,
-                inputs_embeds=None if hidden is None else hidden.unsqueeze(0),
-                position_ids=plan.token_positions.unsqueeze(0), use_cache=False, attention_plan=plan,
-            ).last_hidden_state[0]
+            with plan_in_effect(plan):
+                out = self.model.model(
+                    input_ids=input_ids.unsqueeze(0) if hidden is None else None,
+                    inputs_embeds=None if hidden is None else hidden.unsqueeze(0),
+                    position_ids=plan.token_positions.unsqueeze(0), use_cache=False, attention_plan=plan,
+                ).last_hidden_state[0]
             if layout.last_stage:
                 out = group.gather_logits(self.model.lm_head(out.index_select(0, keep)), self.loaded.vocab_size)
+                cap = getattr(self.model.config, "final_logit_softcapping", None)
+                if out is not None and cap:  # what the causal LM's forward does after its head (Gemma 2)
+                    out = torch.tanh(out / cap) * cap
         if not layout.last_stage:
             group.send_hidden(out)
             return None

@@ -32,9 +32,10 @@ class PagedKernel(Protocol):
         size only (for CUDA graphs)."""
 
     def attend(self, q_all: torch.Tensor, plan: AttentionPlan, layer: int, scale: float, window: int | None,
-               softcap: float | None) -> torch.Tensor | None:
-        """The step's attention output ``[T, heads, dim]``; None where this path does not
-        apply (then the torch path serves)."""
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's attention output ``[T, heads, dim]`` (``sinks``: the heads'
+        attention sinks, ``[heads]``); None where this path does not apply (then the
+        torch path serves)."""
 
 
 @dataclass
@@ -87,6 +88,9 @@ class AttentionPlan:
     #: the device the plan is for when its tensors were left on the host (``on_host``):
     #: a CUDA graph's refill copies them into its own
     for_device: torch.device | None = None
+    #: the layers whose attention ran under this plan, when it is the load's probe
+    #: (None: not recorded)
+    seen_layers: set[int] | None = None
 
     @property
     def device(self) -> torch.device:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from worker.runner.attention import plan_in_effect
+
 if TYPE_CHECKING:
     from worker.config import WorkerConfig
     from worker.runner.attention_plan import AttentionPlan, PagedKernel
@@ -82,7 +84,8 @@ def forward_logits(model: nn.Module, decoder: Decoder | None, input_ids: torch.T
     when it has one, else transformers' forward with the paged attention."""
     if decoder is not None:
         return decoder.forward(input_ids, plan.token_positions, plan, keep)
-    return model(
-        input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
-        use_cache=False, logits_to_keep=keep, attention_plan=plan,
-    ).logits[0]
+    with plan_in_effect(plan):
+        return model(
+            input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
+            use_cache=False, logits_to_keep=keep, attention_plan=plan,
+        ).logits[0]

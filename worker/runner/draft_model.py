@@ -41,7 +41,7 @@ from worker.quant.on_the_fly import quantize_model, quantize_output_layer
 from worker.runner.attention_plan import AttentionPlan, PagedKernel
 from worker.runner.backend import ChooseBackend, Decoder, forward_logits
 from worker.runner.input_batch import InputBatch
-from worker.runner.kv_pool import PagedKVCache
+from worker.runner.kv_pool import KVLayout, PagedKVCache, kv_layout
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
 
 logger = logging.getLogger("raydecode")
@@ -51,7 +51,7 @@ class DraftModel:
     """Proposes up to ``k`` tokens per decoding row with a draft model."""
 
     def __init__(self, model: torch.nn.Module, decoder: Decoder | None, kernel: PagedKernel | None,
-                 layout: tuple[int, int, int, torch.dtype], shares_kv: bool, device: torch.device, name: str) -> None:
+                 layout: KVLayout, shares_kv: bool, device: torch.device, name: str) -> None:
         """``layout``: the draft's ``kv_layout``, what its own pool is shaped by."""
         self.model = model
         self.decoder = decoder
@@ -233,11 +233,3 @@ def check_draft(draft: LoadedModel, target: LoadedModel, target_parameters: int)
     if d > t:
         raise ModelLoadError(f"{where} has more parameters ({d:,}) than the target ({t:,}): it would cost more "
                              "than it saves")
-
-
-def kv_layout(hf_config: Any, dtype: torch.dtype) -> tuple[int, int, int, torch.dtype]:
-    """(layers, KV heads, head size, dtype): what a model's KV pool is shaped by."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return hf_config.num_hidden_layers, kv_heads, head_dim, dtype

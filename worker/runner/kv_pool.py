@@ -12,9 +12,34 @@ positions past what it found cached, which start a block of its own.
 from __future__ import annotations
 
 import mmap
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+
+class KVLayout(NamedTuple):
+    """What a model's KV pool is shaped by."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    #: the values are the keys (multi-head latent attention stores one row a token)
+    shared_values: bool = False
+
+
+def kv_layout(hf_config: Any, dtype: torch.dtype) -> KVLayout:
+    """A model's pool layout from its config: its KV heads and head size, or, for
+    multi-head latent attention, one head of latent + rotary key with no separate values
+    (``worker/runner/latent_attention.py``)."""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    if getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None:
+        return KVLayout(cfg.num_hidden_layers, 1, int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim), dtype, True)
+    heads = cfg.num_attention_heads
+    kv_heads = 1 if getattr(cfg, "multi_query", False) else getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return KVLayout(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
 class PagedKVCache:
@@ -31,9 +56,11 @@ class PagedKVCache:
         device: torch.device,
         prefault: bool = False,
         scratch_blocks: int = 0,
+        shared_values: bool = False,
     ) -> None:
         """``scratch_blocks`` more blocks follow the ``num_blocks`` the driver allocates:
-        the worker's own (padding rows of a CUDA-graph step write there)."""
+        the worker's own (padding rows of a CUDA-graph step write there).
+        ``shared_values``: ``values`` are ``keys`` (no memory of their own)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -41,15 +68,31 @@ class PagedKVCache:
         self.scratch_block = num_blocks if scratch_blocks else None
         shape = (num_blocks + scratch_blocks, num_kv_heads, block_size, head_dim)
         self.keys = [_lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
-        self.values = [_lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
+        self.values = list(self.keys) if shared_values else [
+            _lazy_zeros(shape, dtype, device, prefault) for _ in range(num_layers)]
+        self.shared_values = shared_values
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device,
+                   prefault: bool = False, scratch_blocks: int = 0) -> PagedKVCache:
+        return cls(layout.num_layers, num_blocks, block_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                   device, prefault=prefault, scratch_blocks=scratch_blocks, shared_values=layout.shared_values)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * block_size * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                        shared_values: bool = False) -> int:
+        tensors = 1 if shared_values else 2
+        return tensors * num_layers * num_kv_heads * head_dim * block_size * torch.empty(0, dtype=dtype).element_size()
+
+    @staticmethod
+    def layout_bytes_per_block(layout: KVLayout, block_size: int) -> int:
+        return PagedKVCache.bytes_per_block(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size,
+                                            layout.dtype, layout.shared_values)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        tensors = self.keys if self.shared_values else (*self.keys, *self.values)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -31,6 +31,9 @@ from worker.quant.checkpoint import (
     checkpoint_format,
     load_plan,
 )
+from worker.runner.attention import UnsupportedAttention
+from worker.runner.families import NO_INTERFACE, UnsupportedModel, check_family
+from worker.runner.latent_attention import install_latent_attention
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,11 +140,25 @@ def load_model(
     if plan.action in (KEEP_GGUF, KEEP_COMPRESSED, ON_THE_FLY) and dev.type != "cpu":
         raise ModelLoadError(f"{name}: quantized weights ({plan.scheme or plan.checkpoint}) run on the CPU only for "
                              f"now; on {dev.type} load it with quantization none (dequantized)")
+    check_model_family(_config(path, name, kwargs), name)
     hf_model, config, path, kwargs, formats = load_weights(path, name, kwargs, plan, torch_dtype, attn_implementation,
                                                            quantization_config)
     hf_model.to(dev).eval()
+    try:
+        install_latent_attention(hf_model)
+    except UnsupportedAttention as exc:
+        raise ModelLoadError(f"{name}: {exc}") from None
     return finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, _vocab_size(hf_model),
                           max_model_len, formats)
+
+
+def check_model_family(config: Any, name: str) -> None:
+    """``ModelLoadError`` for a model whose family the registry refuses
+    (``worker/runner/families.py``), before its weights load."""
+    try:
+        check_family(config)
+    except UnsupportedModel as exc:
+        raise ModelLoadError(f"{name}: {exc}") from None
 
 
 def plan_loading(path: str, name: str, kwargs: dict[str, Any], quantization: str | None) -> LoadPlan:
@@ -211,6 +228,9 @@ def _from_pretrained(path: str, name: str, kwargs: dict[str, Any], config: Any, 
         raise ModelLoadError(f"cannot load {name}: {exc}") from None
     except (OSError, ImportError) as exc:
         raise ModelLoadError(f"cannot load {name}: {exc}") from None
+    except KeyError as exc:  # e.g. a model that looks its attention class up by implementation name
+        raise ModelLoadError(f"{name}: model_type {getattr(config, 'model_type', '?')!r} is not supported: {NO_INTERFACE} "
+                             f"(it failed to build with the paged attention: KeyError {exc})") from None
     # A quantized checkpoint dequantized by transformers: the weights are plain now.
     hf_model.hf_quantizer = None
     return hf_model

@@ -38,13 +38,15 @@ from worker.runner.attention import (
     ATTENTION_NAME,
     UnsupportedAttention,
     check_attention_features,
+    plan_in_effect,
     register_paged_attention,
 )
 from worker.runner.attention_plan import AttentionPlan, PagedKernel, concat_ranges
 from worker.runner.backend import ChooseBackend, StepGraphs, forward_logits, reference_backend
-from worker.runner.draft_model import build_draft, kv_layout, logical_parameters, self_draft_copy
+from worker.runner.draft_model import build_draft, logical_parameters, self_draft_copy
+from worker.runner.families import UnsupportedModel, check_attention_coverage, model_type
 from worker.runner.input_batch import NO_LOGPROBS, InputBatch
-from worker.runner.kv_pool import PagedKVCache
+from worker.runner.kv_pool import PagedKVCache, kv_layout
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
 from worker.runner.ngram_proposer import NgramProposer
 from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
@@ -149,24 +151,24 @@ class ModelRunner:
     def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
         """The KV pool, sized from what memory is left after the model (and logged); a
         draft model's own pool beside it, block for block (``draft_model.py``)."""
-        layers, kv_heads, head_dim, dtype = kv_layout(self.model.config, self.loaded.dtype)
+        layout = kv_layout(self.model.config, self.loaded.dtype)
         bs = config.kv_block_size
-        per_block = PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, bs, dtype)
+        per_block = PagedKVCache.layout_bytes_per_block(layout, bs)
         draft = self.draft
         draft_layout = draft.layout if draft is not None and not draft.shares_kv else None
         if draft_layout is not None:
-            per_block += PagedKVCache.bytes_per_block(*draft_layout[:3], bs, draft_layout[3])
+            per_block += PagedKVCache.layout_bytes_per_block(draft_layout, bs)
         num_blocks = self._num_kv_blocks(config, per_block, self.max_model_len, self.loaded)
         logger.warning(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB%s)", num_blocks, bs, num_blocks * bs,
+            "KV pool: %d blocks x %d tokens = %d tokens (%.2f GiB%s%s)", num_blocks, bs, num_blocks * bs,
             num_blocks * per_block / 2**30, ", the draft's included" if draft_layout else "",
+            ", the latent of multi-head latent attention" if layout.shared_values else "",
         )
-        pool = PagedKVCache(layers, num_blocks, bs, kv_heads, head_dim, dtype, self.device,
-                            prefault=config.kv_cache_prefault, scratch_blocks=self.backend.scratch_kv_blocks)
+        options = dict(prefault=config.kv_cache_prefault, scratch_blocks=self.backend.scratch_kv_blocks)
+        pool = PagedKVCache.for_layout(layout, num_blocks, bs, self.device, **options)
         if draft is not None:
-            draft.attach(pool if draft_layout is None else PagedKVCache(
-                draft_layout[0], num_blocks, bs, draft_layout[1], draft_layout[2], draft_layout[3], self.device,
-                prefault=config.kv_cache_prefault, scratch_blocks=self.backend.scratch_kv_blocks))
+            draft.attach(pool if draft_layout is None else
+                         PagedKVCache.for_layout(draft_layout, num_blocks, bs, self.device, **options))
         return pool
 
     def _reasoning_config(self, config: WorkerConfig) -> ReasoningConfig | None:
@@ -212,15 +214,22 @@ class ModelRunner:
         plan = AttentionPlan.build(
             kv, np.array([0]), np.array([0]), np.array([1]), np.zeros((1, 1), dtype=np.int32), self.device, kernel,
         )
+        plan.seen_layers = set()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), plan_in_effect(plan):
                 model(
                     input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                     position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                     use_cache=False, logits_to_keep=1, attention_plan=plan,
                 )
-        except UnsupportedAttention as exc:
+            check_attention_coverage(model, plan.seen_layers)
+        except (UnsupportedAttention, UnsupportedModel) as exc:
             raise ModelLoadError(f"{self.loaded.name}: {exc}") from None
+        except (RuntimeError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(
+                f"{self.loaded.name}: model_type {model_type(model.config)!r} fails its first forward through the "
+                f"paged attention ({type(exc).__name__}: {exc}); raydecode cannot serve it"
+            ) from None
 
     # -- one step ---------------------------------------------------------------------
 

@@ -233,6 +233,14 @@ struct Shapes {
   // starts[b] on (paged_attention_packed), or from b * Q (the padded layout: starts null).
   const int32_t* starts = nullptr;
   int64_t q_stride = 0;  // elements from one query token to the next in q (HQ * D if dense)
+  // Attention sinks (gpt-oss): per query head, an extra logit in each softmax's
+  // denominator that attends to nothing (null: none).
+  const float* sinks = nullptr;
+  // 1 / the softmax's denominator of query head `head`, given its running max m and sum l.
+  float inv_sum(float m, float l, int64_t head) const {
+    const float denom = l + (sinks ? std::exp(sinks[head] - m) : 0.f);
+    return denom > 0.f ? 1.f / denom : 0.f;
+  }
   int64_t row0(int64_t b) const { return starts ? starts[b] : b * Q; }
   // Query token j of row b, and its output row.
   template <typename T>
@@ -417,7 +425,7 @@ void attend_row(float* out, const T* q, const T* k_pool, const T* v_pool, const 
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float inv = z.inv_sum(m[r], l[r], r % HQ);
     float* dst = z.out_at(out, b, 0) + r * D;
     const float* ar = acc + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = ar[d] * inv;
@@ -546,13 +554,13 @@ inline void start_head(float* qt, float* ot, float* m, float* l, const T* q, int
 }
 
 // KV head h's outputs of row b back from the lanes (ot [D, NP]), divided by the sums.
-inline void finish_head(float* out, const float* ot, const float* l, int64_t b, int64_t nq, int64_t h, int64_t NP,
-                        const Shapes& z) {
+inline void finish_head(float* out, const float* ot, const float* m, const float* l, int64_t b, int64_t nq,
+                        int64_t h, int64_t NP, const Shapes& z) {
   const int64_t G = z.G, D = z.D;
   for (int64_t j = 0; j < nq; ++j)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = j * G + g;
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const float inv = z.inv_sum(m[i], l[i], h * G + g);
       float* dst = z.out_at(out, b, j) + (h * G + g) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * NP + i] * inv;
     }
@@ -624,7 +632,7 @@ void attend_row_tiled(float* out, const T* q, const T* k_pool, const T* v_pool, 
         lanes_product<true>(vp, D, 1, D, s + (blk * BS - t0) * NP, NP, n, ot);  // ot[d, i] += sum_t v[t, d] p[t, i]
       }
     }
-    finish_head(out, ot, l, b, nq, h, NP, z);
+    finish_head(out, ot, m, l, b, nq, h, NP, z);
   }
 }
 
@@ -847,7 +855,7 @@ RD_AVX512 void attend_row_tiled512(float* out, const T* q, const T* k_pool, cons
         }
       }
     }
-    finish_head(out, ot, l, b, nq, h, NP, z);
+    finish_head(out, ot, m, l, b, nq, h, NP, z);
   }
 }
 
@@ -1036,7 +1044,7 @@ RD_AVX512BF16 void attend_row_tiled_bf16(float* out, const c10::BFloat16* q, con
           values_bf16_ci<kRows512>(ci, vp + d, D, n2, p2 + 16 * c0, corr + 16 * c0, NP, ot + d * NP + 16 * c0);
       }
     }
-    finish_head(out, ot, l, b, nq, h, NP, z);
+    finish_head(out, ot, m, l, b, nq, h, NP, z);
   }
 }
 
@@ -1182,10 +1190,20 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const a
 
 }  // namespace
 
+// The heads' sinks as the kernel reads them: null for an empty tensor (no sinks), else
+// float32 [HQ].
+const float* sinks_of(const at::Tensor& sinks, int64_t HQ) {
+  if (sinks.numel() == 0) return nullptr;
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.dim() == 1 && sinks.size(0) == HQ,
+              "paged_attention: sinks must be float32 [heads]");
+  return sinks.data_ptr<float>();
+}
+
 // out [B*Q, HQ, D] float32; q [B*Q, HQ, D]; pools [NB, HKV, BS, D]; block_table [B, MAXNB]
 // int32; kv_lens, q_lens [B] int32. Rows of out past a row's q_lens are left alone.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_table,
-                     at::Tensor kv_lens, at::Tensor q_lens, double scale, double softcap, int64_t window) {
+                     at::Tensor kv_lens, at::Tensor q_lens, double scale, double softcap, int64_t window,
+                     at::Tensor sinks) {
   check_common(out, q, k_pool, v_pool, block_table, kv_lens, q_lens);
   TORCH_CHECK(q.is_contiguous(), "paged_attention: contiguous tensors only");
   const int64_t B = kv_lens.size(0), HQ = q.size(1), D = q.size(2);
@@ -1195,6 +1213,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
   Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap,
            kv_lens.data_ptr<int32_t>(), q_lens.data_ptr<int32_t>()};
   z.q_stride = HQ * D;
+  z.sinks = sinks_of(sinks, HQ);
   run(out, q, k_pool, v_pool, block_table, B, z);
 }
 
@@ -1204,7 +1223,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
 // starts[b] + q_lens[b] - 1. Tokens no row names are left alone.
 void paged_attention_packed(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                             at::Tensor block_table, at::Tensor kv_lens, at::Tensor q_lens, at::Tensor starts,
-                            double scale, double softcap, int64_t window) {
+                            double scale, double softcap, int64_t window, at::Tensor sinks) {
   check_common(out, q, k_pool, v_pool, block_table, kv_lens, q_lens);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
               "paged_attention_packed: q's heads must be contiguous within a token");
@@ -1224,6 +1243,7 @@ void paged_attention_packed(at::Tensor out, at::Tensor q, at::Tensor k_pool, at:
   Shapes z{Q, HQ, HKV, HQ / HKV, D, BS, MAXNB, window, (float)scale, (float)softcap, kl, ql};
   z.starts = st;
   z.q_stride = q.stride(0);
+  z.sinks = sinks_of(sinks, HQ);
   run(out, q, k_pool, v_pool, block_table, B, z);
 }
 
