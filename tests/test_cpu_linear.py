@@ -298,3 +298,16 @@ def test_the_worker_takes_the_library_it_is_given(tiny_model_path):
         assert copies and all(isinstance(g, kind) for g in copies), library
     with pytest.raises(ValueError, match="cpu_gemm_library"):
         EngineConfig(cpu_gemm_library="openblas")
+
+
+def test_an_empty_linear_is_left_unpacked():
+    """A zero-width layer (DeepSeek-V3 with n_shared_experts 0 builds one) stays as it is:
+    oneDNN cannot pack it (a floating-point exception)."""
+    from torch import nn
+
+    from worker.cpu.kernels import load
+    from worker.cpu.packed_linear import pack_linear_layers
+
+    model = nn.Sequential(nn.Linear(32, 0), nn.Linear(32, 16))
+    assert pack_linear_layers(model, load()) == 1
+    assert type(model[0]) is nn.Linear and model[0](torch.randn(2, 32)).shape == (2, 0)

@@ -62,7 +62,8 @@ def run_both_ways(path: str, tol: float, **config) -> tuple[int, float]:
     return worst[0], worst[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
+                                  "qwen3_moe", "mixtral"])
 def test_fused_logits_match_the_transformers_forward(tmp_path_factory, arch):
     steps, worst = run_both_ways(tiny(tmp_path_factory, arch), tol=1e-4)
     assert steps > 20
@@ -137,6 +138,8 @@ def test_rotary_and_norms_match_their_definitions():
     act = torch.empty_like(gate)
     ops.silu_mul(act, gate, up)
     torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    ops.gelu_tanh_mul(act, gate, up)
+    torch.testing.assert_close(act, torch.nn.functional.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
     # gate and up as the two halves of one merged projection's rows (strided rows),
     # enough elements that the vectorised loop and several threads take part
     gate_up = torch.randn(9, 2 * 1000, generator=g) * 8

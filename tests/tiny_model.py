@@ -23,7 +23,8 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
     the architecture: "llama" (the default), "qwen2" (projection biases), "mistral" (a
     sliding window), "gemma2" (soft-capped attention logits, sliding and global layers),
     "gpt_oss" (attention sinks), "qwen3" (q/k norms), "phi3" (fused projections),
-    "gemma" or "gemma3_text" (sandwich norms, q/k norms, a rotary base per layer type);
+    "gemma" or "gemma3_text" (sandwich norms, q/k norms, a rotary base per layer type),
+    "qwen3_moe" or "mixtral" (mixtures of experts);
     ``overrides`` go to its config."""
     folder = Path(folder)
     if (folder / "config.json").exists():
@@ -55,6 +56,9 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
         "qwen3": {"head_dim": 16, "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
         "phi3": {"sliding_window": 24},  # fused qkv_proj and gate_up_proj
         "gemma": {"head_dim": 16},
+        "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+        "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 24},
         "gemma3_text": {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16,
                         "layer_types": ["sliding_attention", "full_attention"]},
     }[arch]

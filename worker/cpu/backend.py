@@ -17,6 +17,7 @@ from torch import nn
 
 from worker.cpu.fused_decoder import FusedDecoder, fused_decoder_applies, merge_projections
 from worker.cpu.kernels import load as load_kernels
+from worker.cpu.moe import unstack_experts
 from worker.cpu.packed_linear import pack_linear_layers
 from worker.cpu.paged_attention import CpuPagedKernel
 from worker.cpu.quant_linear import quantize_linear_layers
@@ -32,6 +33,8 @@ def prepare_cpu_backend(model: nn.Module, config: WorkerConfig, group: ParallelG
     wants_kernels = config.cpu_fused_decoder or config.cpu_attention_kernel or (
         config.cpu_packed_linear and config.cpu_panel_linear)
     ops = load_kernels() if wants_kernels else None
+    if config.cpu_packed_linear:
+        unstack_experts(model)  # each expert's projections as linears, packed below
     fused = config.cpu_fused_decoder and fused_decoder_applies(model, ops)
     if fused:
         merge_projections(model)  # before packing: the merged linears are packed

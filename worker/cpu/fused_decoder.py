@@ -64,10 +64,11 @@ FAMILIES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 #: families whose attention reads its sliding window from the config (the others keep
 #: it on the attention module, per layer)
-WINDOW_FROM_CONFIG = {"mistral", "phi3"}
+WINDOW_FROM_CONFIG = {"mistral", "phi3", "mixtral"}
 #: RMSNorms that scale by ``1 + weight`` (Gemma's): the fused op is given ``1 + weight``
 OFFSET_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
 #: the MLP activations this path runs (``config.hidden_activation`` or ``hidden_act``)
@@ -101,6 +102,11 @@ def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], lis
     return tuple(parts), None
 
 
+def _is_moe(mlp: nn.Module | None) -> bool:
+    """A mixture-of-experts block whose experts run packed (``worker/cpu/moe.py``)."""
+    return mlp is not None and hasattr(getattr(mlp, "experts", None), "expert_up")
+
+
 def merge_projections(model: nn.Module) -> int:
     """Merges each layer's q, k, v and its gate, up projections into one linear each
     (``worker.cpu.packed_linear.merge_linears``); the number of groups merged (a family
@@ -109,7 +115,8 @@ def merge_projections(model: nn.Module) -> int:
     merged = 0
     for layer in model.model.layers:
         merged += merge_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-        merged += merge_linears(layer.mlp, ("gate_proj", "up_proj"))
+        if not _is_moe(layer.mlp):
+            merged += merge_linears(layer.mlp, ("gate_proj", "up_proj"))
     return merged
 
 
@@ -146,7 +153,9 @@ class LayerParts:
         a = o_proj(attention(q))               (window, softcap, scaling of the layer)
         a = post_attn_norm(a)                  (sandwich norms: Gemma 2, 3)
         x = pre_mlp_norm(h += a)
-        m = down_proj(act(gate) * up)          (SiLU, or GELU-tanh: Gemma)
+        m = down_proj(act(gate) * up)          (SiLU, or GELU-tanh: Gemma; or the
+                                                family's mixture-of-experts block, its
+                                                experts packed: ``worker/cpu/moe.py``)
         m = post_mlp_norm(m)                   (sandwich norms)
     """
 
@@ -155,9 +164,9 @@ class LayerParts:
     qkv: tuple[nn.Module, ...]  # the merged q/k/v linear, or q, k and v
     qkv_sizes: list[int] | None  # its split when merged
     o_proj: nn.Module
-    gate_up: tuple[nn.Module, ...]
+    gate_up: tuple[nn.Module, ...]  # empty with ``moe``
     gate_up_sizes: list[int] | None
-    down_proj: nn.Module
+    down_proj: nn.Module | None  # None with ``moe``
     scaling: float
     sliding_window: int | None
     softcap: float | None = None
@@ -168,6 +177,9 @@ class LayerParts:
     post_mlp_norm: Norm | None = None
     #: the layer type whose rotary embedding the layer takes (None: the model's one)
     rotary: str | None = None
+    #: the family's mixture-of-experts block in place of the MLP (its router, its
+    #: experts' packed linears, its shared experts); None: a dense MLP
+    moe: nn.Module | None = None
 
 
 #: the old name (tests and tools import it)
@@ -177,17 +189,21 @@ FusedLayer = LayerParts
 def describe_layer(layer: nn.Module, config: Any) -> LayerParts:
     """A transformers decoder layer of one of ``FAMILIES`` as ``LayerParts``."""
     attn, mlp = layer.self_attn, layer.mlp
+    moe = mlp if _is_moe(mlp) else None
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = attn.head_dim
     if hasattr(attn, "qkv_proj"):  # fused in the checkpoint (Phi-3)
         qkv, qkv_sizes = (attn.qkv_proj,), [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     else:
         qkv, qkv_sizes = projection_group([attn.q_proj, attn.k_proj, attn.v_proj])
-    if hasattr(mlp, "gate_up_proj"):  # gate rows first, then up (Phi-3)
+    if moe is not None:
+        gate_up, gate_up_sizes, down = (), None, None
+    elif hasattr(mlp, "gate_up_proj"):  # gate rows first, then up (Phi-3)
         width = mlp.gate_up_proj.out_features // 2
-        gate_up, gate_up_sizes = (mlp.gate_up_proj,), [width, width]
+        gate_up, gate_up_sizes, down = (mlp.gate_up_proj,), [width, width], mlp.down_proj
     else:
         gate_up, gate_up_sizes = projection_group([mlp.gate_proj, mlp.up_proj])
+        down = mlp.down_proj
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
     return LayerParts(
         input_norm=norm_of(layer.input_layernorm),
@@ -195,7 +211,7 @@ def describe_layer(layer: nn.Module, config: Any) -> LayerParts:
         post_attn_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
         post_mlp_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
         qkv=qkv, qkv_sizes=qkv_sizes, o_proj=attn.o_proj,
-        gate_up=gate_up, gate_up_sizes=gate_up_sizes, down_proj=mlp.down_proj,
+        gate_up=gate_up, gate_up_sizes=gate_up_sizes, down_proj=down, moe=moe,
         scaling=float(attn.scaling),
         sliding_window=_sliding_window(attn, config),
         softcap=getattr(attn, "attn_logit_softcapping", None) or None,
@@ -244,12 +260,15 @@ class FusedDecoder:
         return self.rms_norm(x.reshape(-1, dim).contiguous(), norm).view(tokens, -1)
 
     def mlp(self, x: torch.Tensor, layer: LayerParts) -> torch.Tensor:
+        if layer.moe is not None:
+            out = layer.moe(x.unsqueeze(0))
+            return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
         gate, up = projections(x, layer.gate_up, layer.gate_up_sizes)
+        act = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
         if layer.activation == "silu":
-            act = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
             self.ops.silu_mul(act, gate, up)
         else:
-            act = F.gelu(gate, approximate="tanh") * up
+            self.ops.gelu_tanh_mul(act, gate, up)
         return linear(act, layer.down_proj)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,6 +376,8 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
         return f"{type(model).__name__} ({getattr(config, 'model_type', None)}) is not one of {sorted(FAMILIES.values())}"
     if _activation(config) not in ACTIVATIONS:
         return f"activation {_activation(config)!r} (only {sorted(ACTIVATIONS)})"
+    if ACTIVATIONS[_activation(config)] == "gelu_tanh" and not hasattr(ops, "gelu_tanh_mul"):
+        return "the CPU kernels predate gelu_tanh_mul"
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
         return f"{param.device.type} {param.dtype} (CPU float32 or bfloat16 only)"
@@ -369,15 +390,20 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
     linear_kinds = (nn.Linear, PackedLinear, PanelLinear, LinearSlice, QuantizedLinear, QuantPanelLinear)
     for layer in inner.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "experts") and not _is_moe(mlp):
+            return "its experts are not unstacked into linears (cpu_packed_linear off, or another layout)"
         extra = _children(layer) - LAYER_PARTS
         extra |= {f"self_attn.{n}" for n in _children(attn) - ATTENTION_PARTS}
-        extra |= {f"mlp.{n}" for n in _children(mlp) - MLP_PARTS}
+        if not _is_moe(mlp):  # an MoE block runs as the family's own module
+            extra |= {f"mlp.{n}" for n in _children(mlp) - MLP_PARTS}
         if extra:
             return f"a layer has modules this path does not run ({sorted(extra)})"
         names = [("qkv_proj",)] if hasattr(attn, "qkv_proj") else [("q_proj", "k_proj", "v_proj")]
-        names += [("gate_up_proj",)] if hasattr(mlp, "gate_up_proj") else [("gate_proj", "up_proj")]
-        parts = [getattr(attn, n, None) for n in names[0] + ("o_proj",)] + [getattr(mlp, n, None) for n in names[1]]
-        parts.append(getattr(mlp, "down_proj", None))
+        if not _is_moe(mlp):
+            names += [("gate_up_proj",)] if hasattr(mlp, "gate_up_proj") else [("gate_proj", "up_proj")]
+            names += [("down_proj",)]
+        parts = [getattr(attn, n, None) for n in names[0] + ("o_proj",)]
+        parts += [getattr(mlp, n, None) for group in names[1:] for n in group]
         if any(not isinstance(p, linear_kinds) for p in parts):
             return "a layer's projections are not plain linear layers"
         norms = [getattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",

@@ -339,7 +339,8 @@ def pack_linear_layers(model: nn.Module, panel_ops: Any = None, gemm_from_rows: 
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.device.type == "cpu"
+        # (an empty one, a zero-width shared expert, stays: oneDNN cannot pack it)
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.numel() > 0
     ]
     panel = [t for t in targets if PanelLinear.applies(t[2], panel_ops)]
     if panel and not _packs_correctly(panel[0][2], lambda lin: PanelLinear(lin, panel_ops)):

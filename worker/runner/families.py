@@ -4,8 +4,8 @@ Every decoder-only ``model_type`` in transformers' causal-LM registry has an ent
 (``FAMILIES``): the path it runs on and, for a refused one, the feature it misses.
 
 - ``fast``: the CPU fused decoder (``worker/cpu/fused_decoder.py``: one description
-  of a layer's parts that each family fills in), tensor and pipeline parallelism
-  (``worker/parallel/``), every other path too.
+  of a layer's parts that each family fills in), every other path too; with
+  ``parallel``, tensor and pipeline parallelism (``worker/parallel/``).
 - ``generic``: transformers' own decoder layers with the paged attention (its KV pool,
   kernel and FlexAttention), packed linears and quantized weights; one worker a model.
 - ``refused``: refused at load, before any weights load, naming the model type and the
@@ -39,6 +39,8 @@ class Family:
     path: str
     #: refused: the missing feature (said at load); else what is special, if anything
     note: str = ""
+    #: tensor and pipeline parallelism (``worker/parallel/``)
+    parallel: bool = False
 
 
 class UnsupportedModel(ValueError):
@@ -116,10 +118,10 @@ FAMILIES: dict[str, Family] = {
     "flex_olmo": Family(GENERIC),
     "flint": Family(GENERIC),
     "fuyu": _refused(MULTIMODAL),
-    "gemma": Family(FAST, "GeGLU, (1 + weight) norms"),
-    "gemma2": Family(FAST, "sandwich norms, soft-capped logits, sliding and full layers"),
+    "gemma": Family(FAST, "GeGLU, (1 + weight) norms", parallel=True),
+    "gemma2": Family(FAST, "sandwich norms, soft-capped logits, sliding and full layers", parallel=True),
     "gemma3": _refused(MULTIMODAL + " (serve its text tower, model_type gemma3_text)"),
-    "gemma3_text": Family(FAST, "sandwich and q/k norms, a rotary base per layer type, sliding and full layers"),
+    "gemma3_text": Family(FAST, "sandwich and q/k norms, a rotary base per layer type, sliding and full layers", parallel=True),
     "gemma3n": _refused(MULTIMODAL),
     "gemma3n_text": _refused("keys and values shared across layers (KV sharing)"),
     "gemma4": _refused(MULTIMODAL),
@@ -171,7 +173,7 @@ FAMILIES: dict[str, Family] = {
     "lfm2": _refused(HYBRID + " (short-convolution layers)"),
     "lfm2_moe": _refused(HYBRID + " (short-convolution layers)"),
     "lfm3": _refused(HYBRID + " (short-convolution layers)"),
-    "llama": Family(FAST, ""),
+    "llama": Family(FAST, "", parallel=True),
     "llama4": _refused(MULTIMODAL + " (serve its text tower, model_type llama4_text)"),
     "llama4_text": _refused("chunked local attention (attention_chunk_size)"),
     "longcat_flash": _refused(UNVERIFIED),
@@ -188,8 +190,8 @@ FAMILIES: dict[str, Family] = {
     "minimax_m3_vl_text": Family(GENERIC),
     "ministral": Family(GENERIC),
     "ministral3": Family(GENERIC),
-    "mistral": Family(FAST, "sliding window"),
-    "mixtral": Family(GENERIC),
+    "mistral": Family(FAST, "sliding window", parallel=True),
+    "mixtral": Family(FAST, "experts packed per expert (worker/cpu/moe.py); one worker"),
     "mllama": _refused(MULTIMODAL),
     "modernbert-decoder": Family(GENERIC),
     "moshi": _refused(MULTIMODAL),
@@ -211,19 +213,19 @@ FAMILIES: dict[str, Family] = {
     "pegasus": _refused(ENCODER),
     "persimmon": Family(GENERIC),
     "phi": Family(GENERIC),
-    "phi3": Family(FAST, "fused qkv_proj and gate_up_proj (partial rotary, Phi-4-mini: the generic path)"),
+    "phi3": Family(FAST, "fused qkv_proj and gate_up_proj (partial rotary, Phi-4-mini: the generic path)", parallel=True),
     "phi4_multimodal": _refused(MULTIMODAL),
     "phimoe": Family(GENERIC, "its sliding window applied from its config (transformers applies it in the mask only)"),
     "plbart": _refused(ENCODER),
     "prophetnet": _refused(ENCODER),
-    "qwen2": Family(FAST, "q/k/v biases"),
+    "qwen2": Family(FAST, "q/k/v biases", parallel=True),
     "qwen2_moe": Family(GENERIC),
-    "qwen3": Family(FAST, "q/k norms"),
+    "qwen3": Family(FAST, "q/k norms", parallel=True),
     "qwen3_5": _refused(MULTIMODAL + " (serve its text tower, model_type qwen3_5_text)"),
     "qwen3_5_moe": _refused(MULTIMODAL + " (serve its text tower, model_type qwen3_5_moe_text)"),
     "qwen3_5_moe_text": _refused(HYBRID + " (Gated DeltaNet (linear attention) layers)"),
     "qwen3_5_text": _refused(HYBRID + " (Gated DeltaNet (linear attention) layers)"),
-    "qwen3_moe": Family(GENERIC),
+    "qwen3_moe": Family(FAST, "experts packed per expert (worker/cpu/moe.py); one worker"),
     "qwen3_next": _refused(HYBRID + " (Gated DeltaNet (linear attention) layers)"),
     "qwen4_exp": _refused(MULTIMODAL + " (serve its text tower, model_type qwen4_exp_text)"),
     "qwen4_exp_text": _refused(HYBRID + " (linear-attention layers)"),
@@ -268,8 +270,13 @@ def model_type(config: Any) -> str:
 
 
 def fast_families() -> set[str]:
-    """The model types the fused decoder and model parallelism cover."""
+    """The model types the fused decoder covers."""
     return {name for name, fam in FAMILIES.items() if fam.path == FAST}
+
+
+def parallel_families() -> set[str]:
+    """The model types tensor and pipeline parallelism cover."""
+    return {name for name, fam in FAMILIES.items() if fam.parallel}
 
 
 def check_family(config: Any) -> None:
@@ -327,10 +334,10 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
 
 def support_table() -> str:
     """The registry as ``docs/usage.md``'s markdown table."""
-    lines = ["| model_type | path | notes |", "|---|---|---|"]
+    lines = ["| model_type | path | TP/PP | notes |", "|---|---|---|---|"]
     for name in sorted(FAMILIES):
         fam = FAMILIES[name]
-        lines.append(f"| `{name}` | {fam.path} | {fam.note} |")
+        lines.append(f"| `{name}` | {fam.path} | {'yes' if fam.parallel else ''} | {fam.note} |")
     return "\n".join(lines)
 
 

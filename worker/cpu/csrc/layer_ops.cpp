@@ -9,6 +9,7 @@
 //                                      residual, residual += x first and the sum is
 //                                      normalized (the layer's skip connection, in place).
 //   silu_mul(out, gate, up)            out = silu(gate) * up (the MLP's activation).
+//   gelu_tanh_mul(out, gate, up)       out = gelu_tanh(gate) * up (Gemma's).
 //   rotary_to_cache(q, k, v, cos, sin, k_pool, v_pool, slot_rows)
 //                                      rotates q in place and k on its way into the
 //                                      pool (rotate-half rotary, cos/sin [T, head_dim]),
@@ -64,12 +65,25 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
   });
 }
 
-// silu(gate) * up, elementwise over [rows, cols]; silu(g) = g / (1 + exp(-g)) rounded to
-// T before the product (transformers' act_fn(gate_proj(x)) * up_proj(x)). Rows may be
-// strided (gate and up as the two halves of one merged gate/up projection's output).
-template <typename T>
-void silu_mul_impl(T* out, const T* gate, const T* up, int64_t rows, int64_t cols, int64_t out_stride,
-                   int64_t gate_stride, int64_t up_stride) {
+// The gate activations: SiLU, g / (1 + exp(-g)); GELU with the tanh approximation
+// (Gemma's gelu_pytorch_tanh), 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), its
+// tanh as 1 - 2 / (exp(2x) + 1) (exact at both ends: exp overflows to inf, or goes to 0).
+struct Silu {
+  static inline float apply(float g) { return g / (1.f + fast_exp(-g)); }
+};
+struct GeluTanh {
+  static inline float apply(float g) {
+    const float x = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (2.f - 2.f / (fast_exp(2.f * x) + 1.f));
+  }
+};
+
+// act(gate) * up, elementwise over [rows, cols]; act(g) rounded to T before the product
+// (transformers' act_fn(gate_proj(x)) * up_proj(x)). Rows may be strided (gate and up as
+// the two halves of one merged gate/up projection's output).
+template <typename Act, typename T>
+void act_mul_impl(T* out, const T* gate, const T* up, int64_t rows, int64_t cols, int64_t out_stride,
+                  int64_t gate_stride, int64_t up_stride) {
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(cols, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -79,7 +93,7 @@ void silu_mul_impl(T* out, const T* gate, const T* up, int64_t rows, int64_t col
 #pragma omp simd
       for (int64_t i = 0; i < cols; ++i) {
         const float g = to_float(g_row[i]);
-        const T act = from_float<T>(g / (1.f + fast_exp(-g)));
+        const T act = from_float<T>(Act::apply(g));
         o_row[i] = from_float<T>(to_float(act) * to_float(u_row[i]));
       }
     }
@@ -157,23 +171,30 @@ void rms_norm(torch::Tensor out, torch::Tensor x, std::optional<torch::Tensor> r
   }
 }
 
-void silu_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
+template <typename Act>
+void act_mul(const char* name, torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
   check_rows(out, "out");
   check_rows(gate, "gate");
   check_rows(up, "up");
-  TORCH_CHECK(gate.sizes() == up.sizes() && out.sizes() == gate.sizes(), "silu_mul: shapes differ");
-  TORCH_CHECK(gate.scalar_type() == up.scalar_type() && out.scalar_type() == gate.scalar_type(), "silu_mul: dtypes differ");
+  TORCH_CHECK(gate.sizes() == up.sizes() && out.sizes() == gate.sizes(), name, ": shapes differ");
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type() && out.scalar_type() == gate.scalar_type(), name, ": dtypes differ");
   const int64_t rows = gate.size(0), cols = gate.size(1);
   if (gate.scalar_type() == at::kFloat) {
-    silu_mul_impl(out.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(), rows, cols, out.stride(0),
-                  gate.stride(0), up.stride(0));
+    act_mul_impl<Act>(out.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(), rows, cols, out.stride(0),
+                      gate.stride(0), up.stride(0));
   } else if (gate.scalar_type() == at::kBFloat16) {
     using B = c10::BFloat16;
-    silu_mul_impl(out.data_ptr<B>(), gate.data_ptr<B>(), up.data_ptr<B>(), rows, cols, out.stride(0), gate.stride(0),
-                  up.stride(0));
+    act_mul_impl<Act>(out.data_ptr<B>(), gate.data_ptr<B>(), up.data_ptr<B>(), rows, cols, out.stride(0),
+                      gate.stride(0), up.stride(0));
   } else {
-    TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
+    TORCH_CHECK(false, name, ": float32 or bfloat16 only");
   }
+}
+
+void silu_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) { act_mul<Silu>("silu_mul", out, gate, up); }
+
+void gelu_tanh_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
+  act_mul<GeluTanh>("gelu_tanh_mul", out, gate, up);
 }
 
 void rotary_to_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
@@ -223,5 +244,6 @@ void rotary_to_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 void register_layer_ops(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, after adding x into the residual when one is given (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up (CPU)");
   m.def("rotary_to_cache", &rotary_to_cache, "rotary on q (in place) and k, k and v into the paged pool (CPU)");
 }
