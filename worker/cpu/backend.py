@@ -17,12 +17,12 @@ from torch import nn
 
 from worker.cpu.fused_decoder import FusedDecoder, fused_decoder_applies, merge_projections
 from worker.cpu.kernels import load as load_kernels
-from worker.cpu.moe import unstack_experts
 from worker.cpu.packed_linear import pack_linear_layers
 from worker.cpu.paged_attention import CpuPagedKernel
 from worker.cpu.quant_linear import quantize_linear_layers
 from worker.quant.linear import QuantizedLinear
 from worker.runner.backend import Backend
+from worker.runner.experts import unstack_experts
 
 if TYPE_CHECKING:
     from worker.config import WorkerConfig

@@ -103,7 +103,7 @@ def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], lis
 
 
 def _is_moe(mlp: nn.Module | None) -> bool:
-    """A mixture-of-experts block whose experts run packed (``worker/cpu/moe.py``)."""
+    """A mixture-of-experts block whose experts run packed (``worker/runner/experts.py``)."""
     return mlp is not None and hasattr(getattr(mlp, "experts", None), "expert_up")
 
 
@@ -155,7 +155,7 @@ class LayerParts:
         x = pre_mlp_norm(h += a)
         m = down_proj(act(gate) * up)          (SiLU, or GELU-tanh: Gemma; or the
                                                 family's mixture-of-experts block, its
-                                                experts packed: ``worker/cpu/moe.py``)
+                                                experts packed: ``worker/runner/experts.py``)
         m = post_mlp_norm(m)                   (sandwich norms)
     """
 

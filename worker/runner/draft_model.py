@@ -40,6 +40,7 @@ from worker.config import WorkerConfig
 from worker.quant.on_the_fly import quantize_model, quantize_output_layer
 from worker.runner.attention_plan import AttentionPlan, PagedKernel
 from worker.runner.backend import ChooseBackend, Decoder, forward_logits
+from worker.runner.experts import unstack_experts
 from worker.runner.input_batch import InputBatch
 from worker.runner.kv_pool import KVLayout, PagedKVCache, kv_layout
 from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
@@ -180,6 +181,7 @@ def self_draft_copy(config: WorkerConfig, target: LoadedModel) -> torch.nn.Modul
                              f"{target.name} runs quantized already (load the target with quantization 'none' to "
                              "run it in float with its quantized self as the draft)")
     model = copy.deepcopy(target.model)
+    unstack_experts(model)  # experts as linears: quantized with the rest
     quantize_model(model, spec.quantization, spec.quantization_config)
     quantize_output_layer(model, "int8")
     return model

@@ -32,6 +32,7 @@ from worker.quant.checkpoint import (
     load_plan,
 )
 from worker.runner.attention import UnsupportedAttention
+from worker.runner.experts import unstack_experts
 from worker.runner.families import NO_INTERFACE, UnsupportedModel, check_family
 from worker.runner.latent_attention import install_latent_attention
 
@@ -202,6 +203,7 @@ def load_weights(path: str, name: str, kwargs: dict[str, Any], plan: LoadPlan, t
         if plan.action == ON_THE_FLY:
             from worker.quant.on_the_fly import quantize_model
 
+            unstack_experts(hf_model)  # experts as linears: quantized with the rest
             formats = quantize_model(hf_model, plan.scheme, quantization_config)
         return hf_model, config, path, kwargs, formats
     except ValueError as exc:

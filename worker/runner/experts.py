@@ -1,5 +1,5 @@
-"""Mixture-of-experts layers on the CPU: each expert's projections as linear layers the
-backend packs, run through transformers' own experts interface.
+"""Mixture-of-experts layers as per-expert linear layers (which the CPU backend packs
+and on-the-fly quantization quantizes), run through transformers' own experts interface.
 
 transformers stores a layer's experts as 3D parameters (``gate_up_proj`` ``[experts,
 2 x width, hidden]``, ``down_proj`` ``[experts, hidden, width]``, or transposed, with
@@ -7,7 +7,9 @@ optional biases) and dispatches their forward by ``config._experts_implementatio
 (``ALL_EXPERTS_FUNCTIONS``: a Python loop, batched or grouped matmuls). Here each
 expert becomes two ``nn.Linear`` (its rows of the 3D parameters, which are then
 dropped), so the backend packs them like every other linear (column panels, or its
-quantized kernel), and ``packed_experts_forward`` is registered as the implementation:
+quantized kernel) and ``quantization`` int8/int4 quantizes them with the rest (the
+loader unstacks first), and ``packed_experts_forward`` is registered as the
+implementation:
 the step's (token, expert) pairs sorted by expert, one matmul per expert over the
 tokens routed to it (a loop over the experts that got tokens, never over tokens), the
 family's own gate (``_apply_gate``: SiLU-and-multiply, gpt-oss's clamped one) between
@@ -78,8 +80,6 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts of one layer over ``hidden_states`` ``[T, hidden]``: token t goes to
     experts ``top_k_index[t]`` with weights ``top_k_weights[t]``; ``[T, hidden]``."""
-    from worker.cpu.fused_decoder import linear
-
     tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)
@@ -91,9 +91,9 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
         if not n:
             continue
         rows = picked[start : start + n]
-        up = linear(rows, self.expert_up[expert])
+        up = self.expert_up[expert](rows)
         act = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-        out[start : start + n] = linear(act.contiguous(), self.expert_down[expert])
+        out[start : start + n] = self.expert_down[expert](act.contiguous())
         start += n
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
