@@ -13,6 +13,8 @@
 - Multi-head latent attention against transformers' DeepSeek-V3 attention module,
   hypothesis over cached lengths, chunk lengths and block sizes; its pool holds the
   latent and rotary key, one row a token.
+- On-the-fly int8 on the fused families (a mixture of experts' experts included)
+  against transformers with every weight replaced by its int8 dequantization.
 """
 
 from __future__ import annotations
@@ -211,3 +213,38 @@ def test_latent_attention_equals_transformers_deepseek_v3_attention(deepseek, ca
         plan = AttentionPlan.build(cache, np.array([0]), np.array([cached]), np.array([n]), table, torch.device("cpu"))
         got = ours(hidden[:, cached:], position_embeddings=tuple(t[:, cached:] for t in rope), attention_plan=plan)[0]
     torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3_text", "qwen3_moe"])
+def test_on_the_fly_int8_runs_the_families_quantized(tmp_path, arch):
+    """``quantization: int8`` on the fused families (Phi-3's fused projections, Gemma's
+    norms, a mixture of experts, whose every expert runs quantized on the kernel): the
+    greedy tokens are transformers' own with each weight replaced by its int8
+    dequantization (the LM head stays float)."""
+    from tiny_model import build_tiny_model
+    from worker.quant.on_the_fly import quantize_int8
+
+    path = str(build_tiny_model(tmp_path / arch, arch=arch))
+    worker = make_worker(path, quantization="int8")
+    assert worker._runner.backend.decoder is not None, "the fused decoder should run the quantized layers"
+    if arch == "qwen3_moe":
+        experts = worker._runner.model.model.layers[0].mlp.experts
+        assert {type(m).__name__ for m in (*experts.expert_up, *experts.expert_down)} == {"QuantPanelLinear"}
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    head = ref.get_output_embeddings()
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, torch.nn.Linear) and module is not head:
+                module.weight.copy_(quantize_int8(module.weight).dequantize())
+            if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+                for stacked in (module.gate_up_proj, module.down_proj):
+                    for e in range(stacked.shape[0]):
+                        stacked[e].copy_(quantize_int8(stacked[e]).dequantize())
+    driver = MiniDriver(worker.step, max_rows=4, chunk=16)
+    ps = prompts(ref.config.vocab_size, [30, 9], seed=5)
+    for i, p in enumerate(ps):
+        driver.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    out = driver.run()
+    for i, p in enumerate(ps):
+        div = greedy_divergence(ref, p, out[f"r{i}"].output, generate(ref, p, 10))
+        assert div is None or div[1] < 1e-3, f"{arch}: request {i} diverged at token {div[0]} (gap {div[1]:.3g})"
