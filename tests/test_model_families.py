@@ -248,3 +248,16 @@ def test_on_the_fly_int8_runs_the_families_quantized(tmp_path, arch):
     for i, p in enumerate(ps):
         div = greedy_divergence(ref, p, out[f"r{i}"].output, generate(ref, p, 10))
         assert div is None or div[1] < 1e-3, f"{arch}: request {i} diverged at token {div[0]} (gap {div[1]:.3g})"
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_by_name(tmp_path):
+    """gpt-oss ships its experts in MXFP4: refused naming the format, before any weight
+    loads (the float or int8 forms of the model run)."""
+    import json
+
+    folder = build_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized with 'mxfp4', which raydecode does not run"):
+        make_worker(str(folder))

@@ -143,7 +143,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_neo": _refused(UNVERIFIED),
     "gpt_neox": Family(GENERIC),
     "gpt_neox_japanese": _refused(NO_INTERFACE),
-    "gpt_oss": Family(GENERIC, "attention sinks; sliding and full layers"),
+    "gpt_oss": Family(GENERIC, "attention sinks, sliding and full layers; its MXFP4 checkpoints refused (float, int8 run)"),
     "gptj": Family(GENERIC),
     "granite": Family(GENERIC),
     "granite_swa": Family(GENERIC),
