@@ -48,18 +48,6 @@ def is_latent_attention(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("kv_a_proj_with_mqa", "kv_b_proj", "kv_lora_rank"))
 
 
-def uses_latent_attention(config: Any) -> bool:
-    """Whether the model's config describes MLA (its KV pool stores the latent)."""
-    cfg = getattr(config, "text_config", None) or config
-    return getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None
-
-
-def latent_kv_layout(config: Any) -> tuple[int, int]:
-    """(KV heads, head size) of an MLA model's pool: one head of latent + rotary key."""
-    cfg = getattr(config, "text_config", None) or config
-    return 1, int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)
-
-
 def install_latent_attention(model: nn.Module) -> int:
     """Replaces the forward of every MLA module in ``model`` with ``latent_forward``
     (before a backend packs the weights: it reads ``kv_b_proj`` once); the count.
