@@ -33,7 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from helpers import generate, make_worker, prompts
 from hypothesis_budget import examples
 from sampler.params import SamplingParams
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, save_random_model
 from worker.cpu.fused_decoder import FAMILIES as FUSED
 from worker.parallel.sharded_loader import SHARDABLE
 from worker.runner.attention_plan import AttentionPlan
@@ -79,15 +79,7 @@ def build_family(folder: Path, model_type: str) -> Path:
     if (folder / "config.json").exists():
         return folder
     tok = AutoTokenizer.from_pretrained(build_tiny_model(folder.parent / "tokenizer"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tok))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_random_model(folder, tiny_config(model_type, tok), tok)
 
 
 def test_every_decoder_type_of_transformers_has_an_entry():

@@ -30,7 +30,7 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
     if (folder / "config.json").exists():
         return folder
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1, special_tokens=SPECIAL, show_progress=False)
@@ -62,7 +62,14 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
         "gemma3_text": {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16,
                         "layer_types": ["sliding_attention", "full_attention"]},
     }[arch]
-    config = AutoConfig.for_model(arch, **{**common, **extra, **overrides})
+    return save_random_model(folder, AutoConfig.for_model(arch, **{**common, **extra, **overrides}), tok, seed)
+
+
+def save_random_model(folder: Path, config, tok, seed: int = 0) -> Path:
+    """A model of ``config`` with seeded random weights, saved with ``tok`` into
+    ``folder``."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     # Larger weights than the default init: sharper logits, fewer near-ties.
