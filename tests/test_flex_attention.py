@@ -355,3 +355,19 @@ def test_compiled_norms_run_only_inside_the_switch():
     torch.testing.assert_close(fused, plain)
     model(x)
     assert len(calls) == 2
+
+
+def test_latent_attention_with_flex_equals_the_cpu_kernel(tmp_path):
+    """Multi-head latent attention through FlexAttention (eager on the CPU; its pool one
+    KV head of latent + rotary key, which the backend's FlexAttention must be built
+    for): the CPU kernel's greedy tokens, logprobs within float32 rounding (the
+    kernel's against transformers: the families sweep; sinks through FlexAttention:
+    ``test_flex_equals_the_torch_path``)."""
+    from test_model_families import build_family
+
+    path = str(build_family(tmp_path / "deepseek_v3", "deepseek_v3"))
+    with_flex = greedy_run(path, flex_attention=True, cpu_fused_decoder=False)
+    default = greedy_run(path)
+    for rid in default:
+        assert with_flex[rid][0] == default[rid][0], rid
+        assert with_flex[rid][1] == pytest.approx(default[rid][1], abs=1e-4)

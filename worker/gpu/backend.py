@@ -20,6 +20,7 @@ from worker.gpu.compiled_norms import CompiledNorms
 from worker.gpu.cuda_graphs import DecodeGraphs
 from worker.gpu.flex_attention import FlexPagedAttention
 from worker.runner.backend import Backend, Forward
+from worker.runner.kv_pool import kv_layout
 
 if TYPE_CHECKING:
     from worker.config import WorkerConfig
@@ -31,8 +32,8 @@ def add_flex_attention(backend: Backend, model: nn.Module, device: torch.device,
     """``backend`` with FlexAttention as its attention kernel and, where they apply,
     CUDA graphs for its decode steps."""
     hf = model.config
-    heads = hf.num_attention_heads
-    kernel = FlexPagedAttention(heads, getattr(hf, "num_key_value_heads", None) or heads)
+    # the pool's KV heads (one for multi-head latent attention and multi-query models)
+    kernel = FlexPagedAttention(hf.num_attention_heads, kv_layout(hf, torch.float32).num_kv_heads)
     backend.attention_kernel = kernel
     wanted = config.cuda_graphs if config.cuda_graphs is not None else device.type == "cuda"
     if wanted and backend.decoder is None and group is None:
