@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.cpu.fused_decoder import FAMILIES as FUSED_FAMILIES
 from worker.parallel.layout import (
     ModelShape,
     ParallelSizeError,
@@ -46,6 +47,7 @@ from worker.parallel.layout import (
 from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY
 from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, quantized_formats
 from worker.quant.weight import QuantizedWeight
+from worker.runner.families import parallel_families
 from worker.runner.model_loader import (
     LoadedModel,
     ModelLoadError,
@@ -59,12 +61,9 @@ from worker.runner.model_loader import (
 
 #: model_type -> causal-LM class whose layers shard by the rules below (Llama-shaped:
 #: q/k/v/o projections or Phi-3's fused qkv_proj, a gated MLP or its fused gate_up_proj,
-#: RMSNorms, per-head q/k norms, Gemma's sandwich norms: the fused decoder's families).
-SHARDABLE = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-}
+#: RMSNorms, per-head q/k norms, Gemma's sandwich norms): the registry's parallel
+#: families, with the fused decoder's class for each.
+SHARDABLE = {name: FUSED_FAMILIES[name] for name in sorted(parallel_families())}
 #: families whose checkpoint fuses projections (their rows cut per part and joined):
 #: quantized weights do not join, so these shard from float checkpoints only
 FUSED_PROJECTIONS = {"phi3"}
