@@ -189,6 +189,51 @@ def test_fused_projections_shard_per_part(tmp_path):
                                                                      up[r * half : (r + 1) * half]]))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_every_expert_shards_per_rank_and_puts_back_together(tmp_path, arch):
+    """Every rank holds every expert, cut to its columns: Qwen3-MoE's files keep one
+    tensor per expert (stacked by transformers at load: the rank loads the model whole),
+    gpt-oss's are stacked ``[experts, in, out]`` with the gate and up columns interleaved
+    (read as slices). The router is whole on every rank, the down bias on rank 0 only,
+    the sinks split with their query heads."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(build_tiny_model(tmp_path / arch, arch=arch))
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0]
+    ranks = [_shard(path, 2, 1, r)[0].model.layers[0] for r in range(2)]
+    experts = [layer.mlp.experts for layer in ranks]
+    if arch == "gpt_oss":
+        gate_up = torch.stack([e.gate_up_proj for e in experts], dim=2)  # [E, in, rank, 2w]
+        e, i, _, w2 = gate_up.shape
+        assert torch.equal(gate_up.reshape(e, i, 2 * w2), full.mlp.experts.gate_up_proj)
+        assert torch.equal(torch.cat([e.down_proj for e in experts], dim=1), full.mlp.experts.down_proj)
+        assert torch.equal(experts[0].down_proj_bias, full.mlp.experts.down_proj_bias)
+        assert not experts[1].down_proj_bias.any()
+        assert torch.equal(torch.cat([l.self_attn.sinks for l in ranks]), full.self_attn.sinks)
+        assert all(torch.equal(l.mlp.router.weight, full.mlp.router.weight) for l in ranks)
+    else:
+        gate, up = full.mlp.experts.gate_up_proj.chunk(2, dim=1)
+        halves = [e.gate_up_proj.chunk(2, dim=1) for e in experts]
+        assert torch.equal(torch.cat([h[0] for h in halves], dim=1), gate)
+        assert torch.equal(torch.cat([h[1] for h in halves], dim=1), up)
+        assert torch.equal(torch.cat([e.down_proj for e in experts], dim=2), full.mlp.experts.down_proj)
+        assert all(torch.equal(l.mlp.gate.weight, full.mlp.gate.weight) for l in ranks)
+
+
+def test_the_dense_layers_of_a_sparse_model_stay_dense_on_a_later_stage(tmp_path):
+    """Qwen-MoE names its dense layers by global index (``mlp_only_layers``,
+    ``decoder_sparse_step``): a later stage's local layers keep their global kind."""
+    path = str(build_tiny_model(tmp_path / "moe", arch="qwen3_moe", mlp_only_layers=[1]))
+    first, last = (_shard(path, 1, 2, r)[0].model.layers[0] for r in range(2))
+    assert hasattr(first.mlp, "experts") and not hasattr(last.mlp, "experts")
+
+
+def test_a_quantized_mixture_of_experts_is_refused_a_split(ray_local, tmp_path):
+    path = str(build_tiny_model(tmp_path / "moe", arch="qwen3_moe"))
+    with pytest.raises(ValueError, match="qwen3_moe's experts split across ranks from float weights only"):
+        LLM(path, pipeline_parallel_size=2, quantization="int8", **ENGINE)
+
+
 def test_pipeline_stages_hold_their_layers_only(tiny_model_path, full_model):
     (first, l0, _), (last, l1, _) = (_shard(tiny_model_path, 1, 2, r) for r in range(2))
     assert len(first.model.layers) == len(last.model.layers) == 1 and (l0.layers, l1.layers) == (range(0, 1), range(1, 2))
@@ -265,14 +310,17 @@ def single(ray_local, tiny_model_path, workload):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("qwen3", 2, 1), ("gemma3_text", 1, 2), ("phi3", 2, 1)])
-def test_the_fused_families_split_answer_as_transformers(ray_local, tmp_path_factory, arch, tp, pp):
-    """The families the fused decoder runs split across ranks (q/k norms, sandwich norms,
-    soft caps, a rotary base per layer type, fused projections): greedy tokens equal to
-    transformers' ``generate``, prompts longer than the window (24)."""
+@pytest.mark.parametrize("arch,tp,pp", [("qwen3", 2, 1), ("gemma3_text", 1, 2), ("phi3", 2, 1), ("qwen3_moe", 2, 1),
+                                         ("qwen3_moe", 1, 2), ("gpt_oss", 2, 1), ("gpt_oss", 1, 2), ("mixtral", 2, 1)])
+def test_the_families_split_answer_as_transformers(ray_local, tmp_path_factory, arch, tp, pp):
+    """The families split across ranks (q/k norms, sandwich norms, soft caps, a rotary
+    base per layer type, fused projections; mixtures of experts with every expert cut
+    per rank, gpt-oss's sinks and interleaved experts on the generic path): greedy
+    tokens equal to transformers' ``generate``, prompts longer than the window (24)."""
     from transformers import AutoModelForCausalLM
 
-    path = str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch))
+    dense = {"mlp_only_layers": [1]} if arch == "qwen3_moe" else {}  # a dense layer among the sparse ones
+    path = str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, **dense))
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ps = prompts(VOCAB, [5, 40, 70], seed=33)
     llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)

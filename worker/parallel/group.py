@@ -183,16 +183,21 @@ class ParallelGroup:
 def install_tensor_parallel_hooks(model: torch.nn.Module, group: ParallelGroup) -> int:
     """For the transformers forward of a shard: each layer's row-parallel projections
     (``self_attn.o_proj``, ``mlp.down_proj``, whatever modules serve them now, packed
-    or not) all-reduce their output. Returns the number of hooks (none at TP 1)."""
+    or not) all-reduce their output; a mixture-of-experts block (``mlp.experts``) its
+    whole output, the experts' weighted sum (a tuple's first item). Returns the number
+    of hooks (none at TP 1)."""
     if group.layout.tp_size == 1:
         return 0
 
-    def reduce(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+    def reduce(_module: torch.nn.Module, _inputs: object, output: object) -> object:
+        if isinstance(output, tuple):  # (hidden states, router scores)
+            return (group.all_reduce(output[0]), *output[1:])
         return group.all_reduce(output)
 
     hooks = 0
     for layer in model.model.layers:
-        for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        mlp = layer.mlp
+        for module in (layer.self_attn.o_proj, mlp if hasattr(mlp, "experts") else mlp.down_proj):
             module.register_forward_hook(reduce)
             hooks += 1
     return hooks

@@ -13,7 +13,10 @@ A replica of the model can be a *group* of ``tp x pp`` ranks (Ray actors):
   replicated ``tp / kv_heads`` times, which needs ``tp % kv_heads == 0``), its columns of
   the MLP (``intermediate / tp``), and a slice of the vocabulary for the LM head. The
   attention output and MLP projections are row-parallel: their partial sums are
-  all-reduced (two all-reduces per layer).
+  all-reduced (two all-reduces per layer). A mixture of experts shards each expert the
+  same way (its columns ``expert_intermediate / tp`` on every rank, every rank holding
+  every expert and the router whole): the experts' weighted sum is one partial sum,
+  all-reduced like a dense MLP's.
 
 Global rank numbering: ``rank = pp_rank * tp + tp_rank``. The *leader*, the rank that
 samples and answers the driver, is tensor rank 0 of the last stage (it gathers the
@@ -47,6 +50,8 @@ class ModelShape:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
+    #: an expert's MLP width in a mixture of experts (0: no experts)
+    expert_intermediate_size: int = 0
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
@@ -54,10 +59,13 @@ class ModelShape:
         heads = int(text.num_attention_heads)
         kv = int(getattr(text, "num_key_value_heads", None) or heads)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        intermediate = int(getattr(text, "intermediate_size", 0) or 0)
+        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+        expert_width = int(getattr(text, "moe_intermediate_size", None) or intermediate) if experts else 0
         return cls(
             num_layers=int(text.num_hidden_layers), num_heads=heads, num_kv_heads=kv, head_dim=int(head_dim),
-            hidden_size=int(text.hidden_size), intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
-            vocab_size=int(text.vocab_size),
+            hidden_size=int(text.hidden_size), intermediate_size=intermediate,
+            vocab_size=int(text.vocab_size), expert_intermediate_size=expert_width,
         )
 
 
@@ -76,6 +84,8 @@ def _tp_problem(shape: ModelShape, tp: int) -> str | None:
         return f"{tp} is not a multiple of its {kv} key/value heads (to replicate them)"
     if shape.intermediate_size % tp:
         return f"its MLP width {shape.intermediate_size} does not divide by {tp}"
+    if shape.expert_intermediate_size % tp:
+        return f"its experts' width {shape.expert_intermediate_size} does not divide by {tp}"
     return None
 
 
@@ -125,6 +135,7 @@ class RankLayout:
     q_heads: tuple[int, int]  # [start, end) of the global query heads this rank holds
     kv_heads: tuple[int, int]  # [start, end) of the global key/value heads
     intermediate: tuple[int, int]  # [start, end) of the MLP's columns
+    expert_intermediate: tuple[int, int]  # [start, end) of every expert's columns ((0, 0): no experts)
     vocab: tuple[int, int]  # [start, end) of the vocabulary its LM-head slice computes
     vocab_shard: int  # rows of every rank's LM-head slice (the last one padded to it)
 
@@ -179,12 +190,14 @@ def rank_layout(shape: ModelShape, tp: int, pp: int, rank: int, partition: list[
         head = tp_rank * kv // tp
         kv_range = (head, head + 1)
     inter = shape.intermediate_size // tp
+    expert = shape.expert_intermediate_size // tp
     shard = -(-shape.vocab_size // tp)
     return RankLayout(
         tp_size=tp, pp_size=pp, tp_rank=tp_rank, pp_rank=pp_rank,
         first_layer=sum(stages[:pp_rank]), num_layers=stages[pp_rank],
         q_heads=(tp_rank * q, (tp_rank + 1) * q), kv_heads=kv_range,
         intermediate=(tp_rank * inter, (tp_rank + 1) * inter),
+        expert_intermediate=(tp_rank * expert, (tp_rank + 1) * expert),
         vocab=(min(tp_rank * shard, shape.vocab_size), min((tp_rank + 1) * shard, shape.vocab_size)),
         vocab_shard=shard,
     )

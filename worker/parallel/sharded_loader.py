@@ -11,9 +11,17 @@ sums that the runner all-reduces. The LM head becomes a slice of the vocabulary
 the embedding; a stage that is not the first gets no embedding table, one that is not
 the last no final norm and no LM head.
 
+A mixture of experts keeps every expert on every rank, each cut like a dense MLP (its
+columns of the gate and up projections, its rows of the down projection; gpt-oss's
+gate and up columns interleaved, its 3D weights transposed), the router whole; the
+block's output is then one partial sum, all-reduced. Attention sinks (gpt-oss) go with
+their query heads.
+
 Each tensor is read from the checkpoint's safetensors files as the slice the rank
 holds (``safe_open(...).get_slice``): a rank never has the whole model in memory.
-Checkpoints in another format (``.bin``, GGUF) are loaded whole once and sliced,
+Checkpoints in another format (``.bin``, GGUF), and mixtures of experts whose files
+keep one tensor per expert where transformers stacks them (Qwen3-MoE, Mixtral: the
+stacking is transformers' load-time conversion), are loaded whole once and sliced,
 which costs the whole model's memory while loading.
 
 Why not transformers' own ``tp_plan``: it shards through DTensor and hooks on every
@@ -47,7 +55,7 @@ from worker.parallel.layout import (
 from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY
 from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, quantized_formats
 from worker.quant.weight import QuantizedWeight
-from worker.runner.families import parallel_families
+from worker.runner.families import causal_lm_class, parallel_families
 from worker.runner.model_loader import (
     LoadedModel,
     ModelLoadError,
@@ -63,10 +71,14 @@ from worker.runner.model_loader import (
 #: q/k/v/o projections or Phi-3's fused qkv_proj, a gated MLP or its fused gate_up_proj,
 #: RMSNorms, per-head q/k norms, Gemma's sandwich norms): the registry's parallel
 #: families, with the fused decoder's class for each.
-SHARDABLE = {name: FUSED_FAMILIES[name] for name in sorted(parallel_families())}
+SHARDABLE = {name: FUSED_FAMILIES.get(name) or causal_lm_class(name) for name in sorted(parallel_families())}
 #: families whose checkpoint fuses projections (their rows cut per part and joined):
 #: quantized weights do not join, so these shard from float checkpoints only
 FUSED_PROJECTIONS = {"phi3"}
+#: families whose stacked experts are stored ``[experts, in, out]`` with the gate and up
+#: columns interleaved (gate of column j at 2j, its up at 2j + 1); the others
+#: ``[experts, out, in]``, the gate rows, then the up rows
+TRANSPOSED_INTERLEAVED_EXPERTS = {"gpt_oss"}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -79,22 +91,31 @@ def local_config(config: Any, layout: RankLayout) -> Any:
     local.num_attention_heads = layout.q_heads[1] - layout.q_heads[0]
     local.num_key_value_heads = layout.kv_heads[1] - layout.kv_heads[0]
     local.intermediate_size = layout.intermediate[1] - layout.intermediate[0]
+    if shape.expert_intermediate_size and getattr(config, "moe_intermediate_size", None):
+        local.moe_intermediate_size = layout.expert_intermediate[1] - layout.expert_intermediate[0]
     types = getattr(config, "layer_types", None)
     if types is not None:
         local.layer_types = list(types)[layout.first_layer : layout.first_layer + layout.num_layers]
+    if hasattr(config, "mlp_only_layers") and hasattr(config, "decoder_sparse_step"):
+        # which layers are dense is a function of the global index (Qwen MoE): as local indices
+        dense = [i - layout.first_layer for i in layout.layers
+                 if i in config.mlp_only_layers or (i + 1) % config.decoder_sparse_step]
+        local.mlp_only_layers, local.decoder_sparse_step = dense, 1
     local.num_hidden_layers = layout.num_layers
     local.tie_word_embeddings = False
     return local
 
 
-def shard_slice(key: str, layout: RankLayout, head_dim: int,
-                shape: ModelShape | None = None) -> tuple[str, Callable[[Any], torch.Tensor] | None]:
+def shard_slice(key: str, layout: RankLayout, head_dim: int, shape: ModelShape | None = None,
+                model_type: str | None = None) -> tuple[str, Callable[[Any], torch.Tensor] | None]:
     """For a key of the rank's model: the checkpoint key it comes from and how to cut
     the rank's part out of it (a function of a safetensors slice or a tensor; None:
     taken whole). ``o_proj`` and ``down_proj`` biases are kept by tensor rank 0 only
     (the all-reduce would add them ``tp`` times). A fused ``qkv_proj`` (its q, k and v
     rows one after another) and ``gate_up_proj`` (gate rows, then up rows) give each
-    part's cut, joined (``shape``: the whole model's, for where each part starts)."""
+    part's cut, joined (``shape``: the whole model's, for where each part starts).
+    Stacked experts (``...experts.gate_up_proj``) are cut per expert the same way, in
+    ``model_type``'s layout (``TRANSPOSED_INTERLEAVED_EXPERTS``)."""
     m = _LAYER.match(key)
     if m is None:
         if key == "lm_head.weight":
@@ -110,6 +131,11 @@ def shard_slice(key: str, layout: RankLayout, head_dim: int,
     i0, i1 = layout.intermediate
     name, _, kind = rest.rpartition(".")
     leaf = name.rsplit(".", 1)[-1]
+    if leaf == "experts":
+        return source, _expert_cut(kind, layout, shape, model_type in TRANSPOSED_INTERLEAVED_EXPERTS)
+    if kind == "sinks":  # one per query head
+        h0, h1 = layout.q_heads
+        return source, lambda t: t[h0:h1]
     if leaf == "q_proj":
         return source, lambda t: t[q0:q1]
     if leaf == "qkv_proj" and shape is not None:
@@ -131,11 +157,38 @@ def shard_slice(key: str, layout: RankLayout, head_dim: int,
     return source, None
 
 
+def _expert_cut(kind: str, layout: RankLayout, shape: ModelShape | None,
+                interleaved: bool) -> Callable[[Any], torch.Tensor] | None:
+    """The rank's cut of a stacked experts tensor ``kind`` (every expert kept, each cut
+    to the rank's columns ``layout.expert_intermediate``)."""
+    e0, e1 = layout.expert_intermediate
+    if kind == "down_proj_bias":  # added once: by tensor rank 0
+        return None if layout.tp_rank == 0 else (lambda t: torch.zeros_like(t[:]))
+    if interleaved:  # [experts, in, out]: gate and up of column j at 2j, 2j + 1
+        if kind == "gate_up_proj":
+            return lambda t: t[:, :, 2 * e0 : 2 * e1]
+        if kind == "gate_up_proj_bias":
+            return lambda t: t[:, 2 * e0 : 2 * e1]
+        if kind == "down_proj":
+            return lambda t: t[:, e0:e1, :]
+    else:  # [experts, out, in]: the gate rows, then the up rows
+        if kind == "gate_up_proj" and shape is not None:
+            width = shape.expert_intermediate_size
+            return lambda t: torch.cat([t[:, e0:e1], t[:, width + e0 : width + e1]], dim=1)
+        if kind == "up_proj":
+            return lambda t: t[:, e0:e1]
+        if kind == "down_proj":
+            return lambda t: t[:, :, e0:e1]
+    raise ModelLoadError(f"the experts' {kind} has no rule for splitting across tensor ranks")
+
+
 class CheckpointReader:
     """The tensors of a checkpoint folder, read slice by slice from safetensors (or,
     for other formats, from the whole model loaded once)."""
 
-    def __init__(self, path: str, name: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, path: str, name: str, kwargs: dict[str, Any], whole: bool = False) -> None:
+        """``whole``: load the model whole once, whatever its format (the stored
+        tensors are not the model's: transformers converts them at load)."""
         from safetensors import safe_open
 
         self._files: dict[str, Any] = {}
@@ -143,7 +196,9 @@ class CheckpointReader:
         self._whole: dict[str, torch.Tensor] | None = None
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
-        if os.path.isfile(index) and "gguf_file" not in kwargs:
+        if whole:
+            pass
+        elif os.path.isfile(index) and "gguf_file" not in kwargs:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
             for key, file in weight_map.items():
@@ -151,7 +206,7 @@ class CheckpointReader:
         elif os.path.isfile(single) and "gguf_file" not in kwargs:
             with safe_open(single, framework="pt") as f:
                 self._where = {key: single for key in f.keys()}
-        else:  # .bin / GGUF: the whole model once
+        if whole or not self._where:  # .bin / GGUF / converted at load: the whole model once
             from transformers import AutoModelForCausalLM
 
             try:
@@ -228,8 +283,11 @@ def load_model_shard(
         reader: CheckpointReader | QuantizedReader = QuantizedReader(whole)
     else:
         reader = CheckpointReader(path, name, kwargs)
+        if _stored_otherwise(hf_model, reader, layout):
+            reader.close()
+            reader = CheckpointReader(path, name, kwargs, whole=True)
     try:
-        vocab = _load_tensors(hf_model, reader, layout, shape, name, torch_dtype)
+        vocab = _load_tensors(hf_model, reader, layout, shape, name, torch_dtype, config.model_type)
     finally:
         reader.close()
     hf_model.to(dev).eval()
@@ -238,8 +296,18 @@ def load_model_shard(
     return loaded, layout
 
 
+def _stored_otherwise(hf_model: nn.Module, reader: CheckpointReader, layout: RankLayout) -> bool:
+    """Whether the checkpoint's files lack the model's stacked experts (one tensor per
+    expert on disk, stacked by transformers' conversion at load)."""
+    for key in hf_model.state_dict():
+        m = _LAYER.match(key)
+        if m is not None and ".experts." in key:
+            return not reader.has(f"model.layers.{int(m.group(1)) + layout.first_layer}.{m.group(2)}")
+    return False
+
+
 def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLayout, shape: ModelShape,
-                  name: str, dtype: torch.dtype) -> int:
+                  name: str, dtype: torch.dtype, model_type: str | None = None) -> int:
     """Fills every parameter of the rank's model from the checkpoint; returns the
     vocabulary size (rows of the embedding / LM head in the checkpoint)."""
     vocab = shape.vocab_size
@@ -250,7 +318,7 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
         for key, param in hf_model.state_dict(keep_vars=True).items():
             if key in skip:
                 continue
-            source, cut = shard_slice(key, layout, shape.head_dim, shape)
+            source, cut = shard_slice(key, layout, shape.head_dim, shape, model_type)
             if key == "lm_head.weight" and not reader.has(source):
                 source = "model.embed_tokens.weight"  # tied embeddings
             if not reader.has(source):
@@ -300,6 +368,12 @@ def _shardable(model: str | None, tp: int, pp: int, partition: str | None, trust
                 f"{name}: {config.model_type}'s fused projections (qkv_proj, gate_up_proj) split across tensor ranks "
                 f"from float weights only, not {plan.scheme or plan.checkpoint}: run it with quantization none, or "
                 "with pipeline parallelism alone")
+    if ModelShape.of(config).expert_intermediate_size and tp * pp > 1:
+        plan = plan_loading(path, name, kwargs, quantization)
+        if plan.action in (KEEP_GGUF, KEEP_COMPRESSED, ON_THE_FLY):
+            raise ModelLoadError(
+                f"{name}: {config.model_type}'s experts split across ranks from float weights only, not "
+                f"{plan.scheme or plan.checkpoint}: run it with quantization none, or on one worker")
     try:
         return path, name, kwargs, config, check_parallel_sizes(config, tp, pp, partition)
     except ParallelSizeError as exc:

@@ -7,7 +7,8 @@ Every decoder-only ``model_type`` in transformers' causal-LM registry has an ent
   of a layer's parts that each family fills in), every other path too; with
   ``parallel``, tensor and pipeline parallelism (``worker/parallel/``).
 - ``generic``: transformers' own decoder layers with the paged attention (its KV pool,
-  kernel and FlexAttention), packed linears and quantized weights; one worker a model.
+  kernel and FlexAttention), packed linears and quantized weights; one worker a model
+  unless ``parallel`` (gpt-oss).
 - ``refused``: refused at load, before any weights load, naming the model type and the
   missing feature (``check_family``).
 
@@ -143,7 +144,8 @@ FAMILIES: dict[str, Family] = {
     "gpt_neo": _refused(UNVERIFIED),
     "gpt_neox": Family(GENERIC),
     "gpt_neox_japanese": _refused(NO_INTERFACE),
-    "gpt_oss": Family(GENERIC, "attention sinks, sliding and full layers; its MXFP4 checkpoints refused (float, int8 run)"),
+    "gpt_oss": Family(GENERIC, "attention sinks, sliding and full layers; its MXFP4 checkpoints refused (float, int8 run)",
+                      parallel=True),
     "gptj": Family(GENERIC),
     "granite": Family(GENERIC),
     "granite_swa": Family(GENERIC),
@@ -191,7 +193,7 @@ FAMILIES: dict[str, Family] = {
     "ministral": Family(GENERIC),
     "ministral3": Family(GENERIC),
     "mistral": Family(FAST, "sliding window", parallel=True),
-    "mixtral": Family(FAST, "experts packed per expert (worker/runner/experts.py); one worker"),
+    "mixtral": Family(FAST, "experts packed per expert (worker/runner/experts.py)", parallel=True),
     "mllama": _refused(MULTIMODAL),
     "modernbert-decoder": Family(GENERIC),
     "moshi": _refused(MULTIMODAL),
@@ -225,7 +227,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": _refused(MULTIMODAL + " (serve its text tower, model_type qwen3_5_moe_text)"),
     "qwen3_5_moe_text": _refused(HYBRID + " (Gated DeltaNet (linear attention) layers)"),
     "qwen3_5_text": _refused(HYBRID + " (Gated DeltaNet (linear attention) layers)"),
-    "qwen3_moe": Family(FAST, "experts packed per expert (worker/runner/experts.py); one worker"),
+    "qwen3_moe": Family(FAST, "experts packed per expert (worker/runner/experts.py)", parallel=True),
     "qwen3_next": _refused(HYBRID + " (Gated DeltaNet (linear attention) layers)"),
     "qwen4_exp": _refused(MULTIMODAL + " (serve its text tower, model_type qwen4_exp_text)"),
     "qwen4_exp_text": _refused(HYBRID + " (linear-attention layers)"),
@@ -277,6 +279,13 @@ def fast_families() -> set[str]:
 def parallel_families() -> set[str]:
     """The model types tensor and pipeline parallelism cover."""
     return {name for name, fam in FAMILIES.items() if fam.parallel}
+
+
+def causal_lm_class(kind: str) -> str:
+    """The name of transformers' causal-LM class for model type ``kind``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
 
 
 def check_family(config: Any) -> None:
