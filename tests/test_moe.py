@@ -4,7 +4,8 @@
 An experts module of a tiny Qwen3-MoE (SiLU gate, no biases) and of gpt-oss (biases,
 interleaved gate and up rows, its clamped gate), copied, unstacked and packed, against
 the original on the same tokens and routing: hypothesis over the token count, which
-experts get tokens (none, one, all) and the routing weights. A token's output is the
+experts get tokens (none, one, all) and the routing weights; both the per-expert Python
+loop and the one-call kernel (``worker/cpu/moe_experts.py``). A token's output is the
 same alone as in any batch, bit for bit. The whole models' greedy tokens against
 transformers are in the families sweep (``tests/test_model_families.py``).
 """
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hypothesis_budget import examples
 from worker.cpu.kernels import load
+from worker.cpu.moe_experts import install_native_experts
 from worker.cpu.packed_linear import PanelLinear, pack_linear_layers
 from worker.runner.experts import EXPERTS_IMPLEMENTATION, unstack_experts
 
@@ -42,17 +44,25 @@ def experts_of(model_type: str) -> torch.nn.Module:
     return model.model.layers[0].mlp.experts
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
-def pair(request):
-    reference = experts_of(request.param)
+def packed_copy(reference: torch.nn.Module, native: bool, gemm_from_rows: int = 0) -> torch.nn.Module:
     packed = copy.deepcopy(reference)
     packed.config = copy.deepcopy(reference.config)  # its own: the packed implementation is set on it
     holder = torch.nn.Module()
     holder.experts = packed
     assert unstack_experts(holder) == 1
     assert packed.config._experts_implementation == EXPERTS_IMPLEMENTATION
-    assert pack_linear_layers(holder, load()) == 2 * EXPERTS
+    assert pack_linear_layers(holder, load(), gemm_from_rows) == 2 * EXPERTS
     assert all(isinstance(m, PanelLinear) for m in (*packed.expert_up, *packed.expert_down))
+    if native:
+        assert install_native_experts(holder, load()) == 1
+    return packed
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe-loop", "qwen3_moe-native", "gpt_oss-loop", "gpt_oss-native"])
+def pair(request):
+    family, path = request.param.split("-")
+    reference = experts_of(family)
+    packed = packed_copy(reference, native=path == "native")
     assert reference.config._experts_implementation != EXPERTS_IMPLEMENTATION
     return reference, packed
 
@@ -91,3 +101,27 @@ def test_a_tokens_output_does_not_depend_on_its_batch(pair):
         for t in (0, 7, 22):
             alone = packed(hidden[t : t + 1], index[t : t + 1], weights[t : t + 1])
             assert torch.equal(alone[0], batch[t])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_kernel_serves_decode_steps_and_leaves_long_prefills_to_the_library_gemm(family):
+    """With a library GEMM kept for calls of ``gemm_from_rows`` rows or more, a step in
+    which an expert gets that many rows runs the Python loop (its linears hand those
+    calls to the GEMM); smaller steps run in the kernel. Both answer as transformers."""
+    reference = experts_of(family)
+    packed = packed_copy(reference, native=True, gemm_from_rows=8)
+    g = torch.Generator().manual_seed(5)
+    for tokens, served in ((3, True), (30, False)):
+        hidden = torch.randn(tokens, HIDDEN, generator=g)
+        index, weights = routing(tokens, list(range(EXPERTS)), tokens)
+        with torch.no_grad():
+            assert (packed.native_experts(hidden, index, weights) is not None) is served
+            torch.testing.assert_close(packed(hidden, index, weights), reference(hidden, index, weights),
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_an_expert_index_out_of_range_is_an_error_not_a_read_past_the_weights():
+    packed = packed_copy(experts_of("qwen3_moe"), native=True)
+    index = torch.tensor([[0, EXPERTS]])
+    with pytest.raises(RuntimeError, match="expert index 4 out of range"):
+        packed.native_experts(torch.randn(1, HIDDEN), index, torch.ones(1, 2) / 2)

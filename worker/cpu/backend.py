@@ -2,7 +2,8 @@
 
 In order: the fused decoder (``fused_decoder.FAMILIES``: each layer's q/k/v and
 gate/up projections merged first), the packed linears (column panels, a library GEMM's copy
-for large calls, oneDNN's packing elsewhere), the quantized linears on their kernel
+for large calls, oneDNN's packing elsewhere; a mixture of experts' packed experts in
+one call: ``moe_experts.py``), the quantized linears on their kernel
 (``quant_linear.py``), the paged-attention kernel. Each has an
 ``EngineConfig`` switch (``cpu_fused_decoder``, ``cpu_packed_linear``,
 ``cpu_panel_linear``, ``cpu_gemm_from_rows``, ``cpu_attention_kernel``); each falls
@@ -17,6 +18,7 @@ from torch import nn
 
 from worker.cpu.fused_decoder import FusedDecoder, fused_decoder_applies, merge_projections
 from worker.cpu.kernels import load as load_kernels
+from worker.cpu.moe_experts import install_native_experts
 from worker.cpu.packed_linear import pack_linear_layers
 from worker.cpu.paged_attention import CpuPagedKernel
 from worker.cpu.quant_linear import quantize_linear_layers
@@ -42,6 +44,7 @@ def prepare_cpu_backend(model: nn.Module, config: WorkerConfig, group: ParallelG
     if config.cpu_packed_linear:
         panel_ops = ops if config.cpu_panel_linear else None
         packed = pack_linear_layers(model, panel_ops, config.cpu_gemm_from_rows, config.cpu_gemm_library)
+        install_native_experts(model, panel_ops)  # a layer's packed experts in one call
     if ops is None and any(isinstance(m, QuantizedLinear) for m in model.modules()):
         ops = load_kernels()  # quantized layers run on the kernel whatever the float switches say
     packed += quantize_linear_layers(model, ops, config.cpu_gemm_from_rows)

@@ -5,7 +5,9 @@
 - the fused layer ops (``layer_ops.cpp``: RMSNorm with the residual add, rotary into
   the pool, SiLU-mul) that ``worker/cpu/fused_decoder.py`` runs;
 - the float32 linear over column-panel weights (``panel_linear.cpp``) that
-  ``worker/cpu/packed_linear.py`` packs for;
+  ``worker/cpu/packed_linear.py`` packs for, and a mixture-of-experts layer's experts
+  over such weights in one call (``moe_experts.cpp``, behind
+  ``worker/runner/experts.py``);
 - the linear over quantized panel weights, dequantized in registers
   (``quant_linear.cpp``), behind ``worker/cpu/quant_linear.py``;
 - the shared-memory all-reduce between tensor-parallel ranks on one node
@@ -38,8 +40,9 @@ CSRC = Path(__file__).with_name("csrc")
 #: layer ops, the float and quantized panel linears and the shm all-reduce; HEADERS
 #: count for the build's identity too.
 SOURCES = [CSRC / name for name in (
-    "paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp", "quant_linear.cpp", "shm_allreduce.cpp")]
-HEADERS = [CSRC / name for name in ("cpu_math.h", "panel_blocks.h", "work_split.h")]
+    "paged_attention.cpp", "layer_ops.cpp", "panel_linear.cpp", "moe_experts.cpp", "quant_linear.cpp",
+    "shm_allreduce.cpp")]
+HEADERS = [CSRC / name for name in ("cpu_math.h", "panel_blocks.h", "panel_run.h", "work_split.h")]
 _loaded: list[Any] = []  # the built module, once (empty: not tried; [None]: unavailable)
 
 

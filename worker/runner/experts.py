@@ -19,6 +19,8 @@ family's own modules, so every family's routing (softmax or sigmoid top-k, its
 normalisation, group-limited routing) is its own. A token's result does not depend on
 which other tokens share its experts (each output row is computed alone by the packed
 kernels, and the ``top_k`` sum runs in rank order): batch-invariant like the dense path.
+A backend may give the module a ``native_experts`` callable doing the same in one call
+(the CPU backend's: ``worker/cpu/moe_experts.py``), which then serves the steps it takes.
 """
 
 from __future__ import annotations
@@ -79,7 +81,14 @@ def _linears(stacked: torch.Tensor, bias: torch.Tensor | None, transposed: bool)
 def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts of one layer over ``hidden_states`` ``[T, hidden]``: token t goes to
-    experts ``top_k_index[t]`` with weights ``top_k_weights[t]``; ``[T, hidden]``."""
+    experts ``top_k_index[t]`` with weights ``top_k_weights[t]``; ``[T, hidden]``. A
+    backend's one-call version (``native_experts``, the CPU kernels') serves the steps it
+    takes."""
+    native = getattr(self, "native_experts", None)
+    if native is not None:
+        out = native(hidden_states, top_k_index, top_k_weights)
+        if out is not None:
+            return out
     tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)

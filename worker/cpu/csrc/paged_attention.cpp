@@ -1273,6 +1273,7 @@ void set_tiled_isa(const std::string& name) {
 
 void register_layer_ops(pybind11::module_& m);  // layer_ops.cpp
 void register_panel_linear(pybind11::module_& m);  // panel_linear.cpp
+void register_moe_experts(pybind11::module_& m);  // moe_experts.cpp
 void register_quant_linear(pybind11::module_& m);  // quant_linear.cpp
 void register_shm_allreduce(pybind11::module_& m);  // shm_allreduce.cpp
 
@@ -1301,6 +1302,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tiled_isa", &set_tiled_isa, "forces the prefill path's instruction set (\"\": the best)");
   register_layer_ops(m);
   register_panel_linear(m);
+  register_moe_experts(m);
   register_quant_linear(m);
   register_shm_allreduce(m);
 }
