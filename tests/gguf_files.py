@@ -2,8 +2,9 @@
 ``convert_hf_to_gguf.py`` (then ``llama-quantize``) would write them, for the tests that
 load GGUF files end to end. No tests here.
 
-``write_gguf(folder, out, types)`` writes the model of ``folder`` (a Llama or a Qwen2
-saved by ``tests/tiny_model.py``) with the ``gguf`` package's ``GGUFWriter``:
+``write_gguf(folder, out, types)`` writes the model of ``folder`` (a Llama, Qwen2, Qwen3
+or Gemma 3 text model saved by ``tests/tiny_model.py``) with the ``gguf`` package's
+``GGUFWriter``:
 
 - the architecture's metadata under llama.cpp's keys (``llama.block_count``, ...);
 - the tokenizer as llama.cpp stores a byte-level BPE one (``tokenizer.ggml.model``
@@ -12,7 +13,8 @@ saved by ``tests/tiny_model.py``) with the ``gguf`` package's ``GGUFWriter``:
 - the tensors under GGUF names (``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``,
   ``output`` unless the embeddings are tied), a Llama's query and key rows permuted as
   llama.cpp's converter does (transformers' ``LlamaTensorProcessor`` undoes it; Qwen2
-  is stored unpermuted), norms and biases in F32 and each matrix in the type ``types``
+  and Qwen3 are stored unpermuted), Gemma's norms as 1 + w (llama.cpp's converter adds
+  the one that Gemma's norm adds at run time), norms and biases in F32 and each matrix in the type ``types``
   asks for: one type for all, or ``{fnmatch pattern: type}`` (first match wins) for a
   mix such as ``Q4_K_M``.
 
@@ -60,19 +62,29 @@ _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+#: what differs in Gemma 3's layers: its four norms (the one after attention is not the
+#: MLP's), its q/k norms
+_GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_QWEN3_NAMES = {**_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+#: Hugging Face model type -> (llama.cpp's architecture, its layer names)
+ARCHITECTURES = {"llama": ("llama", _LAYER_NAMES), "qwen2": ("qwen2", _LAYER_NAMES),
+                 "qwen3": ("qwen3", _QWEN3_NAMES), "gemma3_text": ("gemma3", _GEMMA3_NAMES)}
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 #: token types, as llama.cpp's vocabulary stores them
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 
 
-def gguf_name(hf_name: str) -> str:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
+def gguf_name(hf_name: str, names: dict[str, str] = _LAYER_NAMES) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight`` (``names``:
+    the architecture's layer names)."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     parts = stem.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}.{suffix}"
     raise ValueError(f"no GGUF name for {hf_name}")
 
 
@@ -216,7 +228,10 @@ def type_for(name: str, types: dict[str, str] | str) -> str:
 
 
 def _rope_theta(config: dict) -> float:
+    """The rotary base (of the global layers where each layer type has its own: GGUF's
+    ``rope.freq_base``; llama.cpp fixes Gemma 3's local base at 10000)."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = params.get("full_attention", params)
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
@@ -270,9 +285,9 @@ def write_gguf(hf_model_dir: str | Path, out_path: str | Path, types: dict[str, 
 
     folder, out_path = Path(hf_model_dir), Path(out_path)
     config = json.loads((folder / "config.json").read_text())
-    arch = config["model_type"]
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{folder}: a {arch} model (the llama and qwen2 architectures are written)")
+    if config["model_type"] not in ARCHITECTURES:
+        raise ValueError(f"{folder}: a {config['model_type']} model (written: {sorted(ARCHITECTURES)})")
+    arch, names = ARCHITECTURES[config["model_type"]]
     state = load_file(str(folder / "model.safetensors"))
     tied = bool(config.get("tie_word_embeddings")) or "lm_head.weight" not in state
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -282,8 +297,10 @@ def write_gguf(hf_model_dir: str | Path, out_path: str | Path, types: dict[str, 
     for hf_name, value in state.items():
         if tied and hf_name == "lm_head.weight":
             continue
-        g = gguf_name(hf_name)
+        g = gguf_name(hf_name, names)
         array = value.to(torch.float32).numpy()
+        if arch == "gemma3" and g.endswith("norm.weight"):  # llama.cpp's norms multiply by w: Gemma's 1 + w
+            array = array + 1.0
         if arch == "llama" and g.endswith((".attn_q.weight", ".attn_q.bias")):
             array = permute_rows(array, n_head)
         elif arch == "llama" and g.endswith((".attn_k.weight", ".attn_k.bias")):
@@ -310,6 +327,11 @@ def write_gguf(hf_model_dir: str | Path, out_path: str | Path, types: dict[str, 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(head_dim)
+    if arch in ("qwen3", "gemma3"):  # heads not hidden / heads wide
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma3" and config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     _add_tokenizer(writer, folder, config["vocab_size"])
     for g, array in tensors:

@@ -42,6 +42,12 @@ from worker_driver import MiniDriver
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 KINDS = [*TYPES, "Q4_K_M"]
 SHAPE = dict(hidden_size=256, intermediate_size=512)
+#: Gemma 3 as llama.cpp lays it out (every sixth layer global: six layers hold one), its
+#: query scale 1 / sqrt(head width) as llama.cpp computes it; Qwen3 with heads 64 wide in
+#: a hidden size of 256 over 8 heads (Qwen3-0.6B's mismatch) and no window, as it ships
+#: (GGUF has no key for one). Every matrix's rows a multiple of the K-quants' 256.
+ARCH_SHAPE = {"gemma3_text": dict(num_hidden_layers=6, layer_types=None, head_dim=64, query_pre_attn_scalar=64),
+              "qwen3": dict(use_sliding_window=False, num_attention_heads=8, head_dim=64)}
 VOCAB = 400
 #: logits of the same weights summed in another order (the suite's float32 tolerance)
 LOGIT_TOL = 1e-4
@@ -70,7 +76,8 @@ class Files:
         key = (arch, tied)
         if key not in self.models:
             folder = self.factory.mktemp(f"tiny-{arch}{'-tied' if tied else ''}")
-            self.models[key] = build_tiny_model(folder, arch=arch, tie_word_embeddings=tied, **SHAPE)
+            self.models[key] = build_tiny_model(folder, arch=arch, tie_word_embeddings=tied, **SHAPE,
+                                                **ARCH_SHAPE.get(arch, {}))
         return self.models[key]
 
     def path(self, kind: str, arch: str = "llama", tied: bool = False) -> str:
@@ -90,6 +97,32 @@ class Files:
             path = Path(self.path(kind, arch, tied))
             self.refs[key] = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                   dtype=torch.float32).eval()
+        return self.refs[key]
+
+
+    def dequantized(self, kind: str, arch: str, tied: bool = False) -> nn.Module:
+        """The original model with every matrix replaced by the file's, dequantized by
+        the ``gguf`` package: the reference for architectures transformers' own GGUF
+        loader gets wrong (a Qwen3 whose heads are not hidden / heads wide, Gemma 3's
+        query scale)."""
+        from gguf import GGMLQuantizationType, GGUFReader, dequantize
+        from transformers import AutoModelForCausalLM
+
+        from gguf_files import ARCHITECTURES, gguf_name
+
+        key = ("dequantized", kind, arch, tied)
+        if key not in self.refs:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir(arch, tied), dtype=torch.float32).eval()
+            stored = {t.name: t for t in GGUFReader(self.path(kind, arch, tied)).tensors}
+            names = ARCHITECTURES[arch][1]
+            with torch.no_grad():
+                for name, param in model.state_dict().items():
+                    t = stored.get(gguf_name(name, names))
+                    if t is None or param.dim() < 2:
+                        continue
+                    values = dequantize(t.data, GGMLQuantizationType(int(t.tensor_type)))
+                    param.copy_(torch.from_numpy(np.array(values, dtype=np.float32)).reshape(param.shape))
+            self.refs[key] = model
         return self.refs[key]
 
 
@@ -279,6 +312,29 @@ def test_qwen2_kept_quantized_matches_transformers(files, kind):
     w, _ = run_and_compare(path, files.reference(kind, "qwen2"))
     assert_layers_quantized(w, path)
     assert file_formats(path)["F32"] == 5 + 6  # the norms, and q/k/v biases of 2 layers
+
+
+@pytest.mark.parametrize("arch,kind,tied", [("qwen3", "F32", False), ("qwen3", "Q4_K_M", False),
+                                             ("gemma3_text", "F32", False), ("gemma3_text", "Q4_K_M", False),
+                                             ("gemma3_text", "Q4_K_M", True)])
+def test_qwen3_and_gemma3_files_serve_as_the_dequantized_weights(files, arch, kind, tied):
+    """Qwen3 (q/k norms, heads 64 wide in a hidden size of 256 over 8 heads:
+    transformers' GGUF config drops the width) and Gemma 3 (four norms a layer stored as 1 + w, q/k norms,
+    sliding and global layers, llama.cpp's query scale): a Q4_K_M file served kept
+    quantized on the fused decoder answers as the original model with the file's
+    matrices dequantized by the gguf package; an F32 file as the original model. Gemma's
+    embedding scale (sqrt(hidden)) applies to a quantized table too, tied to the output
+    layer (as Gemma ships) or not."""
+    from transformers import AutoModelForCausalLM
+
+    path = files.path(kind, arch, tied)
+    ref = (AutoModelForCausalLM.from_pretrained(files.model_dir(arch), dtype=torch.float32).eval() if kind == "F32"
+           else files.dequantized(kind, arch, tied))
+    w, _ = run_and_compare(path, ref)
+    assert w._runner.backend.decoder is not None  # the fused decoder, on quantized layers
+    assert w._runner.model.config.head_dim == 64
+    if kind != "F32":
+        assert_layers_quantized(w, path)
 
 
 @pytest.mark.parametrize("kind", ["Q5_1", "Q4_K_M"])

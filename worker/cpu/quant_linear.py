@@ -102,11 +102,12 @@ class QuantPanelEmbedding(nn.Module):
     """An input embedding tied to the output layer, looked up in that layer's panels: the
     table is stored once (``QuantizedEmbedding`` would keep its own copy)."""
 
-    def __init__(self, head: QuantPanelLinear, padding_idx: int | None = None) -> None:
+    def __init__(self, head: QuantPanelLinear, padding_idx: int | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.head = head
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.padding_idx = padding_idx
+        self.scale = scale  # Gemma's sqrt(hidden), as QuantizedEmbedding's
 
     @property
     def weight(self) -> torch.Tensor:
@@ -115,7 +116,8 @@ class QuantPanelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.head
         rows = h.ops.quant_panel_rows(h.codes, h.groups, h.group_size, ids.reshape(-1).long().cpu())
-        return rows.to(ids.device).view(*ids.shape, self.embedding_dim)
+        rows = rows.to(ids.device).view(*ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
 
 def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) -> int:
@@ -140,5 +142,6 @@ def quantize_linear_layers(model: nn.Module, ops: Any, gemm_from_rows: int = 0) 
                 swapped[id(child)] = QuantPanelLinear.of(child, ops, rows)
             setattr(parent, name, swapped[id(child)])
     if tied and id(output_embedding) in swapped:  # the table once, in the output layer's panels
-        model.set_input_embeddings(QuantPanelEmbedding(swapped[id(output_embedding)], input_embedding.padding_idx))
+        model.set_input_embeddings(QuantPanelEmbedding(swapped[id(output_embedding)], input_embedding.padding_idx,
+                                                        input_embedding.scale))
     return len(swapped)

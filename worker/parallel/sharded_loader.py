@@ -53,7 +53,7 @@ from worker.parallel.layout import (
     rank_layout,
 )
 from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY
-from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, quantized_formats
+from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, embedding_scale, quantized_formats
 from worker.quant.weight import QuantizedWeight
 from worker.runner.families import causal_lm_class, parallel_families
 from worker.runner.model_loader import (
@@ -438,7 +438,7 @@ def _place_quantized(model: nn.Module, key: str, weight: QuantizedWeight, name: 
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(module, nn.Embedding):
-        setattr(parent, child, QuantizedEmbedding(weight, module.padding_idx))
+        setattr(parent, child, QuantizedEmbedding(weight, module.padding_idx, embedding_scale(module)))
         return
     if not isinstance(module, nn.Linear) or weight.in_features != module.in_features:
         raise ModelLoadError(f"{name}: the quantized {key} does not fit the shard's {module_name}")

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from worker.quant.gguf_blocks import FLOAT_TYPES, READERS, quantized_weight
-from worker.quant.linear import QuantizedEmbedding, QuantizedLinear
+from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, embedding_scale
 
 #: ``name-00001-of-00003.gguf``: one part of a split file
 SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -100,6 +100,7 @@ def meta_folder(path: str) -> Path:
             raise GGUFError(f"{name}: not a readable GGUF file (truncated or corrupt?): transformers cannot read its "
                             f"metadata: {exc}") from None
         config.tie_word_embeddings = not any(t == "output.weight" for t in tensor_names(path))
+        complete_config(config, _reader(first))
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(tmp)
@@ -112,6 +113,39 @@ def meta_folder(path: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+#: llama.cpp's Gemma 2/3 models whose query scale is 1 / sqrt(hidden / heads), not 1 /
+#: sqrt(head_dim): the 27B ones, which it recognises by their layer count
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def complete_config(config: Any, reader: Any) -> None:
+    """What transformers' conversion of a GGUF file's metadata drops, put back: the head
+    width (``ARCH.attention.key_length``; transformers maps it for Gemma only, so a
+    Qwen3 whose heads are not hidden / heads wide, Qwen3-0.6B's 128 against 1024 / 16,
+    got the wrong shapes), and Gemma 2/3's query scale as llama.cpp computes it
+    (``query_pre_attn_scalar``: the head width, or hidden / heads for the 27B models),
+    where transformers left its default of 256."""
+    arch = str(_field(reader, "general.architecture"))
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length)
+    if arch in _GEMMA_27B_LAYERS and hasattr(config, "query_pre_attn_scalar"):
+        wide = int(config.num_hidden_layers) == _GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads if wide
+                                        else config.head_dim)
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A scalar or string metadata field of a GGUF file; None when absent."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    if len(field.types) == 1 and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8", errors="replace")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
 
 
 def tensor_names(path: str) -> list[str]:
@@ -292,7 +326,7 @@ def _place_quantized(model: nn.Module, modules: dict[str, nn.Module], hf_name: s
         if (weight.out_features, weight.in_features) != (module.num_embeddings, module.embedding_dim):
             raise GGUFError(f"{gguf_name} is {weight.out_features}x{weight.in_features}, {module_name} expects "
                             f"{module.num_embeddings}x{module.embedding_dim}")
-        replacement = QuantizedEmbedding(weight, module.padding_idx)
+        replacement = QuantizedEmbedding(weight, module.padding_idx, embedding_scale(module))
     else:
         raise GGUFError(f"quantized tensor {gguf_name} belongs to {module_name} ({type(module).__name__}), which "
                         "raydecode cannot run quantized")

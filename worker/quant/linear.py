@@ -56,15 +56,26 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.quantized.format}"
 
 
-class QuantizedEmbedding(nn.Module):
-    """An embedding table kept quantized: the rows a step looks up are dequantized."""
+def embedding_scale(module: nn.Module) -> float | None:
+    """The factor a scaled embedding multiplies its rows by (Gemma's sqrt(hidden):
+    ``embed_scale``); None for a plain one."""
+    scale = getattr(module, "embed_scale", None)
+    if scale is None:
+        return None
+    return float(scale.item() if isinstance(scale, torch.Tensor) else scale)
 
-    def __init__(self, weight: QuantizedWeight, padding_idx: int | None = None) -> None:
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized: the rows a step looks up are dequantized (and
+    multiplied by ``scale`` where the model's embedding scales them: Gemma's)."""
+
+    def __init__(self, weight: QuantizedWeight, padding_idx: int | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.quantized = weight
         self.num_embeddings = weight.out_features
         self.embedding_dim = weight.in_features
         self.padding_idx = padding_idx
+        self.scale = scale
 
     @property
     def weight(self) -> torch.Tensor:
@@ -72,7 +83,8 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu()
-        return self.quantized.dequantize(flat).to(ids.device).view(*ids.shape, self.embedding_dim)
+        rows = self.quantized.dequantize(flat).to(ids.device).view(*ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.quantized.format}"
