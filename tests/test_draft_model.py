@@ -347,3 +347,19 @@ def test_the_engine_with_drafts_under_prefix_caching_n_and_preemption(ray_local,
             assert cached[-1] > 0  # the shared prefix came from the cache
         finally:
             llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_moe", "gpt_oss"])
+def test_the_families_draft_for_themselves(tmp_path_factory, arch):
+    """Qwen3, Gemma 3 (the fused decoder), Qwen3-MoE (its experts quantized in the draft)
+    and gpt-oss (sinks, the generic path) as targets of their own int8 copy: most drafts
+    hold, and the outputs are the target's alone, prompts past the sliding window."""
+    path = str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch))
+    ps = prompts(400, [6, 30, 12], seed=7)
+    _, plain = run(make_worker(path), ps)
+    _, spec = run(make_worker(path, **self_draft("int8")), ps)
+    drafted = sum(r.num_drafts for r in spec.values())
+    assert sum(r.num_accepted for r in spec.values()) > drafted // 3 > 0
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    for i, p in enumerate(ps):
+        assert_greedy_equal(reference, p, spec[f"r{i}"].output, plain[f"r{i}"].output)
