@@ -71,7 +71,8 @@ class LLMEngine:
             self.pipeline_in_flight = config.pipeline_parallel_size if not config.spec_tokens else 1
             if config.group_size > 1:  # refused before any actor starts
                 check_model_parallel(config.model, config.tensor_parallel_size, config.pipeline_parallel_size,
-                                     config.pipeline_layer_partition, config.trust_remote_code, config.quantization)
+                                     config.pipeline_layer_partition, config.trust_remote_code, config.quantization,
+                                     config.enable_expert_parallel)
             self._codec = Codec()
             self.pool = WorkerPool(config)
             for slot in self.pool.start():

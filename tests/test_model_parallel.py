@@ -220,6 +220,44 @@ def test_every_expert_shards_per_rank_and_puts_back_together(tmp_path, arch):
         assert all(torch.equal(l.mlp.gate.weight, full.mlp.gate.weight) for l in ranks)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_ranks_hold_their_experts_whole(tmp_path, arch):
+    """With expert parallelism each rank holds its half of the experts, each whole (the
+    biases with them), and the router over all of them."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.parallel.sharded_loader import load_model_shard
+
+    path = str(build_tiny_model(tmp_path / arch, arch=arch))
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0].mlp
+    ranks = [load_model_shard(path, tensor_parallel_size=2, pipeline_parallel_size=1, rank=r,
+                              enable_expert_parallel=True)[0].model.model.layers[0].mlp for r in range(2)]
+    total = full.experts.num_experts
+    for r, mlp in enumerate(ranks):
+        experts = mlp.experts
+        assert (experts.first_expert, experts.num_experts, experts.total_experts) == (r * total // 2, total // 2, total)
+        for local in range(total // 2):
+            e = r * total // 2 + local
+            up = full.experts.gate_up_proj[e]
+            up = up.t() if arch == "gpt_oss" else up  # gpt-oss stores [in, out]
+            assert torch.equal(experts.expert_up[local].weight, up)
+            if arch == "gpt_oss":
+                assert torch.equal(experts.expert_down[local].bias, full.experts.down_proj_bias[e])
+        router = mlp.router if arch == "gpt_oss" else mlp.gate
+        assert torch.equal(router.weight, (full.router if arch == "gpt_oss" else full.gate).weight)
+
+
+def test_expert_parallelism_that_cannot_work_is_refused_before_anything_starts(ray_local, tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match="enable_expert_parallel: the model has no mixture-of-experts layers"):
+        LLM(tiny_model_path, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    path = str(build_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss"))  # 2 experts
+    with pytest.raises(ValueError, match=r"its 2 experts do not divide by 4 \(expert parallelism\) "
+                                         r"\(sizes that work: 1, 2\)"):
+        LLM(path, tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE)
+    with pytest.raises(ValueError, match="enable_expert_parallel must be true or false"):
+        LLM(path, tensor_parallel_size=2, enable_expert_parallel="yes", **ENGINE)
+
+
 def test_the_dense_layers_of_a_sparse_model_stay_dense_on_a_later_stage(tmp_path):
     """Qwen-MoE names its dense layers by global index (``mlp_only_layers``,
     ``decoder_sparse_step``): a later stage's local layers keep their global kind."""
@@ -310,20 +348,23 @@ def single(ray_local, tiny_model_path, workload):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("qwen3", 2, 1), ("gemma3_text", 1, 2), ("phi3", 2, 1), ("qwen3_moe", 2, 1),
-                                         ("qwen3_moe", 1, 2), ("gpt_oss", 2, 1), ("gpt_oss", 1, 2), ("mixtral", 2, 1)])
-def test_the_families_split_answer_as_transformers(ray_local, tmp_path_factory, arch, tp, pp):
+@pytest.mark.parametrize("arch,tp,pp,ep", [
+    ("qwen3", 2, 1, False), ("gemma3_text", 1, 2, False), ("phi3", 2, 1, False), ("qwen3_moe", 2, 1, False),
+    ("qwen3_moe", 1, 2, False), ("gpt_oss", 2, 1, False), ("gpt_oss", 1, 2, False), ("mixtral", 2, 1, False),
+    ("qwen3_moe", 2, 1, True), ("gpt_oss", 2, 1, True)])
+def test_the_families_split_answer_as_transformers(ray_local, tmp_path_factory, arch, tp, pp, ep):
     """The families split across ranks (q/k norms, sandwich norms, soft caps, a rotary
     base per layer type, fused projections; mixtures of experts with every expert cut
-    per rank, gpt-oss's sinks and interleaved experts on the generic path): greedy
-    tokens equal to transformers' ``generate``, prompts longer than the window (24)."""
+    per rank, or with expert parallelism each rank's experts whole; gpt-oss's sinks and
+    interleaved experts on the generic path): greedy tokens equal to transformers'
+    ``generate``, prompts longer than the window (24)."""
     from transformers import AutoModelForCausalLM
 
     dense = {"mlp_only_layers": [1]} if arch == "qwen3_moe" else {}  # a dense layer among the sparse ones
     path = str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, **dense))
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ps = prompts(VOCAB, [5, 40, 70], seed=33)
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep, **ENGINE)
     try:
         outs = llm.generate(ps, GREEDY.clone(logprobs=None, max_tokens=12), use_tqdm=False)
     finally:

@@ -125,3 +125,38 @@ def test_an_expert_index_out_of_range_is_an_error_not_a_read_past_the_weights():
     index = torch.tensor([[0, EXPERTS]])
     with pytest.raises(RuntimeError, match="expert index 4 out of range"):
         packed.native_experts(torch.randn(1, HIDDEN), index, torch.ones(1, 2) / 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_shares_sum_to_the_whole_layer(family):
+    """Expert parallelism: two ranks' shares of the experts (each skipping the pairs
+    routed to the other's), in the kernel and in the Python loop, add up to
+    transformers' layer; a token routed only elsewhere gets zeros."""
+    from torch import nn
+
+    from worker.cpu.moe_experts import NativeExperts, native_gate
+    from worker.runner.experts import hold_experts
+
+    reference = experts_of(family)
+    packed = packed_copy(reference, native=False)
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(17, HIDDEN, generator=g)
+    index, weights = routing(17, list(range(EXPERTS)), 9)
+    index[0] = torch.tensor([0, 1])  # token 0: only the first rank's experts
+    half = EXPERTS // 2
+    kernel, loop = [], []
+    for first in (0, half):
+        kernel.append(NativeExperts(list(packed.expert_up)[first : first + half],
+                                    list(packed.expert_down)[first : first + half], load(), native_gate(packed),
+                                    first, EXPERTS))
+        share = packed_copy(reference, native=False)
+        share.expert_up = nn.ModuleList(list(share.expert_up)[first : first + half])
+        share.expert_down = nn.ModuleList(list(share.expert_down)[first : first + half])
+        share.num_experts = half
+        hold_experts(share, first, EXPERTS)
+        loop.append(share)
+    with torch.no_grad():
+        want = reference(hidden, index, weights)
+        for parts in ([k(hidden, index, weights) for k in kernel], [s(hidden, index, weights) for s in loop]):
+            assert not parts[1][0].any()
+            torch.testing.assert_close(parts[0] + parts[1], want, rtol=1e-4, atol=1e-5)

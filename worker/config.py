@@ -79,6 +79,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: layers per pipeline stage, comma-separated (vLLM's VLLM_PP_LAYER_PARTITION);
     #: None: even, the leftovers to the earlier stages
     pipeline_layer_partition: str | None = None
+    #: mixtures of experts in a tensor-parallel group: each rank holds num_experts /
+    #: tensor_parallel_size whole experts (vLLM's flag) instead of a slice of every
+    #: expert; attention stays split by heads
+    enable_expert_parallel: bool = False
     #: seconds a collective (all-reduce, stage hand-off) waits for the group's other
     #: ranks before the step fails (and the group is replaced)
     distributed_timeout_s: float = 60.0
@@ -168,13 +172,16 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     cpu_gemm_library: str = "auto"
     #: CPU: attention with the compiled paged kernel (off: gather the blocks + SDPA)
     cpu_attention_kernel: bool = True
-    #: CPU: Llama, Mistral and Qwen2 run with fused layer ops (off: the transformers forward)
+    #: CPU: the fast families (docs/usage.md's table) run with fused layer ops (off: the
+    #: transformers forward)
     cpu_fused_decoder: bool = True
 
     def __post_init__(self) -> None:
         check_positive(self, "max_num_seqs", "kv_block_size", "ngram_min", "ngram_max", "tensor_parallel_size",
                        "pipeline_parallel_size")
         parse_partition(self.pipeline_layer_partition)
+        require(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "true or false",
+                self.enable_expert_parallel)
         if self.pipeline_layer_partition is not None:
             stages = len(parse_partition(self.pipeline_layer_partition) or [])
             require(stages == self.pipeline_parallel_size, "pipeline_layer_partition",

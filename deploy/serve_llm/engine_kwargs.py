@@ -71,7 +71,7 @@ VLLM_ONLY = frozenset({
     "prefill_context_parallel_size", "decode_context_parallel_size", "dcp_comm_backend",
     "dcp_kv_cache_interleave_size", "cp_kv_cache_interleave_size", "data_parallel_rank",
     "data_parallel_start_rank", "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port",
-    "data_parallel_hybrid_lb", "data_parallel_external_lb", "data_parallel_backend", "enable_expert_parallel",
+    "data_parallel_hybrid_lb", "data_parallel_external_lb", "data_parallel_backend",
     "enable_ep_weight_filter", "moe_backend", "all2all_backend", "enable_elastic_ep", "enable_dbo",
     "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
     "disable_nccl_for_dp_synchronization", "eplb_config", "enable_eplb", "expert_placement_strategy",

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from worker.cpu.packed_linear import PanelLinear
+from worker.runner.experts import expert_range
 
 
 def native_gate(experts: nn.Module) -> tuple[str, float, float] | None:
@@ -53,8 +54,12 @@ class NativeExperts:
     (hidden states ``[T, hidden]``, ``top_k_index``, ``top_k_weights``); returns None
     when the step is one for the Python loop (see the module docstring)."""
 
-    def __init__(self, ups: list[PanelLinear], downs: list[PanelLinear], ops: Any, gate: tuple[str, float, float]) -> None:
+    def __init__(self, ups: list[PanelLinear], downs: list[PanelLinear], ops: Any, gate: tuple[str, float, float],
+                 first_expert: int = 0, total_experts: int = -1) -> None:
+        """``first_expert``, ``total_experts``: under expert parallelism, the global
+        index of this rank's first expert and the layer's count (``experts.py``)."""
         self.ops = ops
+        self.first_expert, self.total_experts = first_expert, total_experts
         self.up_panels = [layer.panels for layer in ups]
         self.down_panels = [layer.panels for layer in downs]
         self.up_biases = [layer.bias for layer in ups] if ups[0].bias is not None else []
@@ -76,7 +81,8 @@ class NativeExperts:
         x = hidden_states.contiguous()
         out = torch.empty_like(x)
         self.ops.moe_experts(out, x, index, top_k_weights.to(torch.float32).contiguous(), self.up_panels,
-                             self.up_biases, self.down_panels, self.down_biases, self.gate, self.alpha, self.limit)
+                             self.up_biases, self.down_panels, self.down_biases, self.gate, self.alpha, self.limit,
+                             self.first_expert, self.total_experts)
         return out
 
 
@@ -95,6 +101,7 @@ def install_native_experts(model: nn.Module, ops: Any) -> int:
             continue
         if len({layer.bias is None for layer in ups}) > 1 or len({layer.bias is None for layer in downs}) > 1:
             continue
-        module.native_experts = NativeExperts(list(ups), list(downs), ops, gate)
+        first, total = expert_range(module)
+        module.native_experts = NativeExperts(list(ups), list(downs), ops, gate, first, total)
         count += 1
     return count

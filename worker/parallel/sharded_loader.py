@@ -14,7 +14,9 @@ the last no final norm and no LM head.
 A mixture of experts keeps every expert on every rank, each cut like a dense MLP (its
 columns of the gate and up projections, its rows of the down projection; gpt-oss's
 gate and up columns interleaved, its 3D weights transposed), the router whole; the
-block's output is then one partial sum, all-reduced. Attention sinks (gpt-oss) go with
+block's output is then one partial sum, all-reduced. With expert parallelism
+(``enable_expert_parallel``) a rank holds its share of the experts whole instead, and
+its experts module skips the pairs routed to the others (``worker/runner/experts.py``). Attention sinks (gpt-oss) go with
 their query heads.
 
 Each tensor is read from the checkpoint's safetensors files as the slice the rank
@@ -55,6 +57,7 @@ from worker.parallel.layout import (
 from worker.quant.checkpoint import KEEP_COMPRESSED, KEEP_GGUF, ON_THE_FLY
 from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, embedding_scale, quantized_formats
 from worker.quant.weight import QuantizedWeight
+from worker.runner.experts import hold_experts, is_stacked_experts, unstack_experts
 from worker.runner.families import causal_lm_class, parallel_families
 from worker.runner.model_loader import (
     LoadedModel,
@@ -90,9 +93,13 @@ def local_config(config: Any, layout: RankLayout) -> Any:
     local.head_dim = shape.head_dim
     local.num_attention_heads = layout.q_heads[1] - layout.q_heads[0]
     local.num_key_value_heads = layout.kv_heads[1] - layout.kv_heads[0]
-    local.intermediate_size = layout.intermediate[1] - layout.intermediate[0]
-    if shape.expert_intermediate_size and getattr(config, "moe_intermediate_size", None):
-        local.moe_intermediate_size = layout.expert_intermediate[1] - layout.expert_intermediate[0]
+    expert_width = layout.expert_intermediate[1] - layout.expert_intermediate[0]
+    if shape.expert_intermediate_size and not getattr(config, "moe_intermediate_size", None):
+        local.intermediate_size = expert_width  # the experts are intermediate_size wide (Mixtral, gpt-oss)
+    else:
+        local.intermediate_size = layout.intermediate[1] - layout.intermediate[0]
+        if shape.expert_intermediate_size:
+            local.moe_intermediate_size = expert_width
     types = getattr(config, "layer_types", None)
     if types is not None:
         local.layer_types = list(types)[layout.first_layer : layout.first_layer + layout.num_layers]
@@ -159,8 +166,11 @@ def shard_slice(key: str, layout: RankLayout, head_dim: int, shape: ModelShape |
 
 def _expert_cut(kind: str, layout: RankLayout, shape: ModelShape | None,
                 interleaved: bool) -> Callable[[Any], torch.Tensor] | None:
-    """The rank's cut of a stacked experts tensor ``kind`` (every expert kept, each cut
-    to the rank's columns ``layout.expert_intermediate``)."""
+    """The rank's cut of a stacked experts tensor ``kind``: its experts whole (expert
+    parallelism), or every expert cut to the rank's columns ``layout.expert_intermediate``."""
+    if layout.expert_parallel:
+        x0, x1 = layout.experts
+        return lambda t: t[x0:x1]
     e0, e1 = layout.expert_intermediate
     if kind == "down_proj_bias":  # added once: by tensor rank 0
         return None if layout.tp_rank == 0 else (lambda t: torch.zeros_like(t[:]))
@@ -250,10 +260,12 @@ def load_model_shard(
     trust_remote_code: bool = False,
     quantization: str | None = None,
     quantization_config: dict[str, Any] | None = None,
+    enable_expert_parallel: bool = False,
 ) -> tuple[LoadedModel, RankLayout]:
     """Global rank ``rank``'s part of ``model`` (see the module docstring); its
     ``vocab_size`` is the whole vocabulary (what the gathered logits hold). Quantized
-    weights shard as they are (whole output rows, input columns at group boundaries)."""
+    weights shard as they are (whole output rows, input columns at group boundaries).
+    ``enable_expert_parallel``: the rank holds its share of each layer's experts whole."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -261,9 +273,9 @@ def load_model_shard(
     torch_dtype = choose_dtype(dev, dtype)
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     path, name, kwargs, config, shape = _shardable(model, tp, pp, pipeline_layer_partition, trust_remote_code,
-                                                   quantization)
+                                                   quantization, enable_expert_parallel)
     plan = plan_loading(path, name, kwargs, quantization)
-    layout = rank_layout(shape, tp, pp, rank, parse_partition(pipeline_layer_partition))
+    layout = rank_layout(shape, tp, pp, rank, parse_partition(pipeline_layer_partition), enable_expert_parallel)
     local = local_config(config, layout)
     with no_init_weights():
         hf_model = AutoModelForCausalLM.from_config(local, dtype=torch_dtype, attn_implementation=attn_implementation,
@@ -276,6 +288,8 @@ def load_model_shard(
     else:
         inner.norm = nn.Identity()
         hf_model.lm_head = nn.Identity()
+    if layout.expert_parallel:
+        _hold_rank_experts(hf_model, layout)
     formats: dict[str, int] = {}
     if plan.action in (KEEP_GGUF, KEEP_COMPRESSED, ON_THE_FLY):
         whole, _, path, kwargs, formats = load_weights(path, name, kwargs, plan, torch.float32, attn_implementation,
@@ -290,10 +304,29 @@ def load_model_shard(
         vocab = _load_tensors(hf_model, reader, layout, shape, name, torch_dtype, config.model_type)
     finally:
         reader.close()
+    if layout.expert_parallel:
+        unstack_experts(hf_model)  # the packed forward is the one that skips other ranks' experts
     hf_model.to(dev).eval()
     formats = {**{k: v for k, v in formats.items() if k in ("F32", "F16", "BF16")}, **quantized_formats(hf_model)}
     loaded = finish_loading(hf_model, config, path, name, kwargs, dev, torch_dtype, vocab, max_model_len, formats)
     return loaded, layout
+
+
+def _hold_rank_experts(model: nn.Module, layout: RankLayout) -> None:
+    """Every stacked experts module of the rank's model made to hold only its experts
+    (``layout.experts``): its 3D weights that many experts deep, the routing still over
+    all of them."""
+    first, last = layout.experts
+    for module in model.modules():
+        if not is_stacked_experts(module):
+            continue
+        total = int(module.num_experts)
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() >= 1 and param.shape[0] == total:
+                setattr(module, name, nn.Parameter(param.new_empty((last - first, *param.shape[1:])),
+                                                   requires_grad=False))
+        module.num_experts = last - first
+        hold_experts(module, first, total)
 
 
 def _stored_otherwise(hf_model: nn.Module, reader: CheckpointReader, layout: RankLayout) -> bool:
@@ -340,18 +373,20 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
 
 def check_model_parallel(model: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,
                          pipeline_layer_partition: str | None = None, trust_remote_code: bool = False,
-                         quantization: str | None = None) -> ModelShape:
+                         quantization: str | None = None, enable_expert_parallel: bool = False) -> ModelShape:
     """The driver's check before any rank starts: the model's family shards and its
-    heads, MLP and layers divide (``ModelLoadError``, a ``ValueError``, saying why and
-    which sizes work), and its weights load as ``quantization`` asks."""
+    heads, MLP (or experts) and layers divide (``ModelLoadError``, a ``ValueError``,
+    saying why and which sizes work), and its weights load as ``quantization`` asks."""
     path, name, kwargs, _, shape = _shardable(model, tensor_parallel_size, pipeline_parallel_size,
-                                              pipeline_layer_partition, trust_remote_code, quantization)
+                                              pipeline_layer_partition, trust_remote_code, quantization,
+                                              enable_expert_parallel)
     plan_loading(path, name, kwargs, quantization)
     return shape
 
 
 def _shardable(model: str | None, tp: int, pp: int, partition: str | None, trust_remote_code: bool,
-               quantization: str | None = None) -> tuple[str, str, dict[str, Any], Any, ModelShape]:
+               quantization: str | None = None,
+               expert_parallel: bool = False) -> tuple[str, str, dict[str, Any], Any, ModelShape]:
     """The model's (folder, name, keyword arguments, config, shape), once its family
     and sizes are known to split ``tp x pp`` ways."""
     path, name, kwargs, config = load_config(model, trust_remote_code, quantization)
@@ -375,7 +410,7 @@ def _shardable(model: str | None, tp: int, pp: int, partition: str | None, trust
                 f"{name}: {config.model_type}'s experts split across ranks from float weights only, not "
                 f"{plan.scheme or plan.checkpoint}: run it with quantization none, or on one worker")
     try:
-        return path, name, kwargs, config, check_parallel_sizes(config, tp, pp, partition)
+        return path, name, kwargs, config, check_parallel_sizes(config, tp, pp, partition, expert_parallel)
     except ParallelSizeError as exc:
         raise ModelLoadError(f"{name}: {exc}") from None
 

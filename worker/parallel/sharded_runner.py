@@ -53,7 +53,8 @@ class ShardedModelRunner(ModelRunner):
         loaded, self.layout = load_model_shard(
             config.model, tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size, rank=self.group_rank.rank,
-            pipeline_layer_partition=config.pipeline_layer_partition, **self._load_options(config),
+            pipeline_layer_partition=config.pipeline_layer_partition,
+            enable_expert_parallel=config.enable_expert_parallel, **self._load_options(config),
         )
         return self._checked(loaded)
 

@@ -78,6 +78,19 @@ def _linears(stacked: torch.Tensor, bias: torch.Tensor | None, transposed: bool)
     return nn.ModuleList(layers)
 
 
+def hold_experts(module: nn.Module, first: int, total: int) -> None:
+    """Marks an experts module as holding the experts ``first`` .. ``first +
+    module.num_experts - 1`` of a layer's ``total`` (expert parallelism: each rank holds
+    some of them whole); the forward skips the pairs routed to the others, which their
+    ranks add in the all-reduce."""
+    module.first_expert, module.total_experts = first, total
+
+
+def expert_range(module: nn.Module) -> tuple[int, int]:
+    """(first held expert, the layer's total; -1: the ones held)."""
+    return int(getattr(module, "first_expert", 0)), int(getattr(module, "total_experts", -1))
+
+
 def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts of one layer over ``hidden_states`` ``[T, hidden]``: token t goes to
@@ -90,9 +103,14 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
         if out is not None:
             return out
     tokens, top_k = top_k_index.shape
-    expert_ids = top_k_index.reshape(-1)
+    first, total = expert_range(self)
+    expert_ids = top_k_index.reshape(-1) - first
+    # the (token, rank) pairs by expert; under expert parallelism only those routed here
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+    if total >= 0:
+        sorted_ids = expert_ids.index_select(0, order)
+        order = order[(sorted_ids >= 0) & (sorted_ids < self.num_experts)]
+    counts = torch.bincount(expert_ids.index_select(0, order), minlength=self.num_experts).tolist()
     picked = hidden_states.index_select(0, order // top_k)
     out = torch.empty(order.numel(), hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
     start = 0
@@ -107,6 +125,7 @@ def packed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
-    back = torch.empty_like(out)
+    # each token's top_k outputs summed in rank order (another rank's pairs: zeros)
+    back = out.new_zeros(tokens * top_k, out.shape[-1]) if order.numel() < tokens * top_k else torch.empty_like(out)
     back[order] = out
     return back.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

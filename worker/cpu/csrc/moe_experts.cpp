@@ -15,6 +15,10 @@
 // sum runs in rank order, so a token's result does not depend on which other tokens
 // share its experts: batch-invariant like the dense path.
 //
+// Expert parallelism: the call holds the experts first_expert .. first_expert + E - 1 of
+// the layer's total_experts (this rank's); pairs routed elsewhere are skipped (another
+// rank adds them in the all-reduce), a token with none here gets zeros.
+//
 // Gates: "silu" and "gelu_tanh" (act(gate) * up, the gate columns first, then the up
 // columns: transformers' default), "gpt_oss" (gate and up interleaved, clamped at
 // `limit`, (up + 1) * gate * sigmoid(alpha * gate)).
@@ -137,7 +141,8 @@ void apply_gate(Gate gate, const float* h, float* act, int64_t rows, int64_t wid
 void moe_experts(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& w,
                  const std::vector<torch::Tensor>& up_panels, const std::vector<torch::Tensor>& up_biases,
                  const std::vector<torch::Tensor>& down_panels, const std::vector<torch::Tensor>& down_biases,
-                 const std::string& gate_name, double alpha, double limit) {
+                 const std::string& gate_name, double alpha, double limit, int64_t first_expert,
+                 int64_t total_experts) {
   const Gate gate = gate_of(gate_name);
   const int64_t experts = static_cast<int64_t>(up_panels.size());
   TORCH_CHECK(experts > 0, "moe_experts: no experts");
@@ -153,20 +158,28 @@ void moe_experts(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(up.K == H && down.N == H && down.K == width && up.N == 2 * width,
               "moe_experts: the experts' shapes do not chain (up [2 W, H], down [H, W])");
   if (T == 0) return;
-  const int64_t pairs = T * top_k;
+  const int64_t total = total_experts < 0 ? first_expert + experts : total_experts;
+  TORCH_CHECK(first_expert >= 0 && first_expert + experts <= total, "moe_experts: experts ", first_expert, "..",
+              first_expert + experts - 1, " are not among the layer's ", total);
   const int64_t* ids = idx.data_ptr<int64_t>();
 
-  // The (token, rank) pairs counting-sorted by expert, stable.
-  std::vector<int64_t> start(experts + 1, 0), order(pairs), pos(pairs);
-  for (int64_t i = 0; i < pairs; ++i) {
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < experts, "moe_experts: expert index ", ids[i], " out of range");
-    ++start[ids[i] + 1];
+  // The (token, rank) pairs routed here counting-sorted by expert, stable; pos -1: elsewhere.
+  const int64_t all_pairs = T * top_k;
+  std::vector<int64_t> start(experts + 1, 0), pos(all_pairs, -1);
+  for (int64_t i = 0; i < all_pairs; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < total, "moe_experts: expert index ", ids[i], " out of range");
+    const int64_t e = ids[i] - first_expert;
+    if (e >= 0 && e < experts) ++start[e + 1];
   }
   for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  const int64_t pairs = start[experts];
+  std::vector<int64_t> order(pairs);
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < pairs; ++i) {
-      pos[i] = fill[ids[i]]++;
+    for (int64_t i = 0; i < all_pairs; ++i) {
+      const int64_t e = ids[i] - first_expert;
+      if (e < 0 || e >= experts) continue;
+      pos[i] = fill[e]++;
       order[pos[i]] = i;
     }
   }
@@ -204,17 +217,21 @@ void moe_experts(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* o = op + t * H;
+      bool first = true;
       for (int64_t j = 0; j < top_k; ++j) {
+        if (pos[t * top_k + j] < 0) continue;  // another rank's expert
         const float weight = wp[t * top_k + j];
         const float* r = ro + pos[t * top_k + j] * H;
-        if (j == 0) {
+        if (first) {
 #pragma omp simd
           for (int64_t i = 0; i < H; ++i) o[i] = r[i] * weight;
         } else {
 #pragma omp simd
           for (int64_t i = 0; i < H; ++i) o[i] += r[i] * weight;
         }
+        first = false;
       }
+      if (first) std::fill(o, o + H, 0.f);
     }
   });
 }
@@ -223,5 +240,6 @@ void register_moe_experts(pybind11::module_& m) {
   m.def("moe_experts", &moe_experts, "a mixture-of-experts layer's experts over column-panel weights (CPU)",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("idx"), pybind11::arg("w"), pybind11::arg("up_panels"),
         pybind11::arg("up_biases"), pybind11::arg("down_panels"), pybind11::arg("down_biases"), pybind11::arg("gate"),
-        pybind11::arg("alpha") = 1.0, pybind11::arg("limit") = 0.0);
+        pybind11::arg("alpha") = 1.0, pybind11::arg("limit") = 0.0, pybind11::arg("first_expert") = 0,
+        pybind11::arg("total_experts") = -1);
 }
