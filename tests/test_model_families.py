@@ -39,6 +39,7 @@ from worker.parallel.sharded_loader import SHARDABLE
 from worker.runner.attention_plan import AttentionPlan
 from worker.runner.families import (
     FAMILIES,
+    FAST,
     REFUSED,
     UnsupportedModel,
     check_family,
@@ -106,6 +107,8 @@ def test_served_families_give_transformers_greedy_tokens(tmp_path_factory, model
     folder = build_family(tmp_path_factory.getbasetemp() / "families" / model_type, model_type)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     worker = make_worker(str(folder))
+    # the registry's path is the one taken: fast families on the fused decoder
+    assert (worker._runner.backend.decoder is not None) == (FAMILIES[model_type].path == FAST), model_type
     driver = MiniDriver(worker.step, max_rows=4, chunk=16)
     ps = prompts(ref.config.vocab_size, [30, 7, 45], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES))
     ap.add_argument("--models", default=os.path.expanduser("~/.cache/raydecode/bench-families"))
+    ap.add_argument("--vllm", action="store_true",
+                    help="then vLLM's CPU build ($VLLM_PYTHON or `make peers`) on the same models and workloads")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 3)
     n = args.requests or (8 if args.quick else 16)
@@ -102,6 +104,8 @@ def main() -> None:
     base = LLM(smol, **engine)
     rows, notes = [], []
     workloads = 0  # every round its own prompts: the baseline engine keeps its prefix cache
+    #: family -> (model folder, its rounds' workloads, our tok/s of SmolLM2 and of it per round)
+    ran: dict[str, tuple[str, list, list[float], list[float]]] = {}
     print(f"{machine()}; {n} requests a round (prompts 16-256, outputs {out_len[0]}-{out_len[1]}), {rounds} rounds")
     print(f"{'family':14} {'path':8} {'SmolLM2 tok/s':>14} {'family tok/s':>13} {'ratio':>7}  spread")
     try:
@@ -117,15 +121,18 @@ def main() -> None:
             ready = time.perf_counter() - started
             ours, theirs, ratios = [], [], []
             try:
+                rounds_run = []
                 for r in range(rounds):
                     workloads += 1
                     greedy, _ = build_workload(stream, n, (16, 256), out_len, 1.0, seed=7919 * workloads)
+                    rounds_run.append(greedy)
                     order = [(base, ours), (other, theirs)] if r % 2 == 0 else [(other, theirs), (base, ours)]
                     for llm, into in order:
                         into.append(run_ours(llm, greedy).tps)
                     ratios.append(theirs[-1] / ours[-1])
             finally:
                 other.shutdown()
+            ran[family] = (str(path), rounds_run, ours, theirs)
             med = statistics.median(ratios)
             fam_path = REGISTRY.get(family).path if family in REGISTRY else "?"
             goal = 0.8 if "moe" in family or family in ("mixtral", "gpt_oss", "deepseek_v3") else 0.9
@@ -135,7 +142,54 @@ def main() -> None:
                             f"{statistics.median(ours):.1f}", f"{med:.2f}x", f">= {goal}x", med >= goal))
     finally:
         base.shutdown()
+    if args.vllm and ran:
+        ray.shutdown()  # vLLM runs alone on the cores
+        rows += vllm_rows(smol, ran, notes)
     emit("model_families", rows, notes=notes)
+
+
+def vllm_rows(smol: str, ran: dict[str, tuple[str, list, list[float], list[float]]], notes: list[str]) -> list:
+    """vLLM's CPU build (float32, prefix caching, 64 rows, one process a model: SmolLM2
+    over every round of every family, then each family over its rounds) on the same
+    greedy workloads: its own family / SmolLM2 ratio round by round, and ours / vLLM on
+    the family (medians)."""
+    import tempfile
+
+    from vs_vllm import find_peer, offline_peer, warm_requests
+
+    py = find_peer()
+    if py is None:
+        notes.append("vLLM: no peer venv ($VLLM_PYTHON or `make peers`)")
+        return []
+    log_dir = Path(tempfile.mkdtemp(prefix="families-vllm-"))
+
+    def tok_s(result: dict, name: str) -> float | None:
+        r = result.get("results", {}).get(name) or {}
+        return r["tokens"] / r["wall"] if r.get("wall") and not r.get("error") else None
+
+    everything = {f"{family}-{i}": reqs for family, (_, runs, _, _) in ran.items() for i, reqs in enumerate(runs)}
+    warm = warm_requests([t for reqs in everything.values() for r in reqs for t in r.prompt])
+    base = offline_peer(py, smol, warm, everything, log_dir / "smollm2.log", timeout_s=3600)
+    print(f"vLLM {base.get('vllm')}: {'family':14} {'SmolLM2 tok/s':>14} {'family tok/s':>13} {'ratio':>7}  "
+          f"spread   ours/vLLM on the family")
+    rows = []
+    for family, (path, runs, ours_smol, ours_family) in ran.items():
+        result = offline_peer(py, path, warm, {f"{family}-{i}": reqs for i, reqs in enumerate(runs)},
+                              log_dir / f"{family}.log", timeout_s=3600)
+        pairs = [(tok_s(base, f"{family}-{i}"), tok_s(result, f"{family}-{i}")) for i in range(len(runs))]
+        if result.get("error") or any(b is None or f is None for b, f in pairs):
+            why = (result.get("error") or "no result").splitlines()[-1][:160]
+            print(f"vLLM: {family:14} did not run: {why}", flush=True)
+            notes.append(f"vLLM {family}: {why}")
+            continue
+        ratios = [f / b for b, f in pairs]
+        theirs = statistics.median(f for _, f in pairs)
+        vs = statistics.median(ours_family) / theirs
+        print(f"vLLM: {family:14} {statistics.median(b for b, _ in pairs):14.1f} {theirs:13.1f} "
+              f"{statistics.median(ratios):6.2f}x  {min(ratios):.2f}-{max(ratios):.2f}  {vs:.2f}x", flush=True)
+        rows.append(Row(f"{family}: ours / vLLM tok/s", f"{statistics.median(ours_family):.1f}", f"{theirs:.1f}",
+                        f"{vs:.2f}x", "", None))
+    return rows
 
 
 if __name__ == "__main__":

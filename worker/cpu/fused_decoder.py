@@ -1,5 +1,5 @@
-"""The CPU decoder path for the Llama, Qwen, Phi-3 and Gemma families: the same layers
-as the transformers model, run with a handful of fused ops per layer.
+"""The CPU decoder path for the Llama, Qwen, Phi-3, Gemma, Mixtral and gpt-oss families:
+the same layers as the transformers model, run with a handful of fused ops per layer.
 
 transformers' eager forward dispatches ~30 ops per layer from Python (norms written out
 as pow / mean / rsqrt / mul, rotary as slices, cat and muls, the residual adds, views
@@ -28,7 +28,8 @@ slower than separate passes here.)
 
 That is a Llama layer; the other families fill in more parts of the same description
 (``LayerParts``: per-head q/k norms, sandwich norms, Gemma's norms and GELU-tanh, soft
-caps, fused checkpoint projections, a rotary per layer type). It applies where the
+caps, fused checkpoint projections, a rotary per layer type, attention sinks, a
+mixture-of-experts block). It applies where the
 model is one of ``FAMILIES`` (with or without projection biases, any rotary scaling
 transformers implements, sliding windows), on CPU, float32 or bfloat16, with
 the CPU kernels built; anywhere else the transformers forward runs (it stays the
@@ -64,8 +65,11 @@ FAMILIES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
 }
+#: families whose rotary embedding returns cos and sin for half the head (each pair of
+#: halves rotated by the same angle: gpt-oss); the fused op takes them repeated twice
+HALF_ROTARY = {"gpt_oss"}
 #: families whose attention reads its sliding window from the config (the others keep
 #: it on the attention module, per layer)
 WINDOW_FROM_CONFIG = {"mistral", "phi3", "mixtral"}
@@ -150,7 +154,7 @@ class LayerParts:
         q, k, v = qkv(x)                       (one merged or fused matmul, or three)
         q, k = q_norm(q), k_norm(k)            (per head: Qwen3, Gemma 3)
         rotary on q and k (the rotary of the layer's type), k and v into the pool
-        a = o_proj(attention(q))               (window, softcap, scaling of the layer)
+        a = o_proj(attention(q))               (window, softcap, scaling, sinks of the layer)
         a = post_attn_norm(a)                  (sandwich norms: Gemma 2, 3)
         x = pre_mlp_norm(h += a)
         m = down_proj(act(gate) * up)          (SiLU, or GELU-tanh: Gemma; or the
@@ -180,6 +184,8 @@ class LayerParts:
     #: the family's mixture-of-experts block in place of the MLP (its router, its
     #: experts' packed linears, its shared experts); None: a dense MLP
     moe: nn.Module | None = None
+    #: the heads' attention sinks (gpt-oss: an extra logit per head in the softmax)
+    sinks: torch.Tensor | None = None
 
 
 #: the old name (tests and tools import it)
@@ -219,6 +225,7 @@ def describe_layer(layer: nn.Module, config: Any) -> LayerParts:
         q_norm=norm_of(getattr(attn, "q_norm", None)),
         k_norm=norm_of(getattr(attn, "k_norm", None)),
         rotary=getattr(attn, "layer_type", None) if _rotary_per_layer_type(config) else None,
+        sinks=attn.sinks.detach() if isinstance(getattr(attn, "sinks", None), torch.Tensor) else None,
     )
 
 
@@ -243,6 +250,7 @@ class FusedDecoder:
         self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
         self.lm_head = model.lm_head
         self.layers = [describe_layer(layer, config) for layer in inner.layers]
+        self.half_rotary = config.model_type in HALF_ROTARY
         self.rotary_types = sorted({layer.rotary for layer in self.layers if layer.rotary is not None})
 
     def rms_norm(self, x: torch.Tensor, norm: Norm, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,6 +290,8 @@ class FusedDecoder:
         out = {}
         for kind in self.rotary_types or [None]:
             cos, sin = self.rotary_emb(h, pos) if kind is None else self.rotary_emb(h, pos, kind)
+            if self.half_rotary:
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             out[kind] = (cos[0].contiguous(), sin[0].contiguous())
         return out
 
@@ -309,7 +319,7 @@ class FusedDecoder:
             cos, sin = rotary[layer.rotary]
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
             a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window,
-                              layer.softcap)
+                              layer.softcap, layer.sinks)
             attn_out = self.reduce(linear(a.reshape(tokens, -1), layer.o_proj))
             if layer.post_attn_norm is not None:
                 attn_out = self.rms_norm(attn_out, layer.post_attn_norm)
@@ -417,7 +427,7 @@ def _why_not(model: nn.Module, ops: Any | None) -> str | None:
     kinds = sorted(set(getattr(config, "layer_types", None) or [])) if _rotary_per_layer_type(config) else [None]
     for kind in kinds:
         cos, _ = inner.rotary_emb(probe, position) if kind is None else inner.rotary_emb(probe, position, kind)
-        if cos.shape[-1] != head_dim:
+        if cos.shape[-1] * (2 if config.model_type in HALF_ROTARY else 1) != head_dim:
             return f"partial rotary ({cos.shape[-1]} of {head_dim} dimensions)"
     return None
 

@@ -7,8 +7,7 @@ Every decoder-only ``model_type`` in transformers' causal-LM registry has an ent
   of a layer's parts that each family fills in), every other path too; with
   ``parallel``, tensor and pipeline parallelism (``worker/parallel/``).
 - ``generic``: transformers' own decoder layers with the paged attention (its KV pool,
-  kernel and FlexAttention), packed linears and quantized weights; one worker a model
-  unless ``parallel`` (gpt-oss).
+  kernel and FlexAttention), packed linears and quantized weights; one worker a model.
 - ``refused``: refused at load, before any weights load, naming the model type and the
   missing feature (``check_family``).
 
@@ -144,7 +143,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_neo": _refused(UNVERIFIED),
     "gpt_neox": Family(GENERIC),
     "gpt_neox_japanese": _refused(NO_INTERFACE),
-    "gpt_oss": Family(GENERIC, "attention sinks, sliding and full layers; its MXFP4 checkpoints refused (float, int8 run)",
+    "gpt_oss": Family(FAST, "attention sinks, sliding and full layers; its MXFP4 checkpoints refused (float, int8 run)",
                       parallel=True),
     "gptj": Family(GENERIC),
     "granite": Family(GENERIC),
