@@ -173,7 +173,7 @@ def vllm_rows(smol: str, ran: dict[str, tuple[str, list, list[float], list[float
     print(f"vLLM {base.get('vllm')}: {'family':14} {'SmolLM2 tok/s':>14} {'family tok/s':>13} {'ratio':>7}  "
           f"spread   ours/vLLM on the family")
     rows = []
-    for family, (path, runs, ours_smol, ours_family) in ran.items():
+    for family, (path, runs, _ours_smol, ours_family) in ran.items():
         result = offline_peer(py, path, warm, {f"{family}-{i}": reqs for i, reqs in enumerate(runs)},
                               log_dir / f"{family}.log", timeout_s=3600)
         pairs = [(tok_s(base, f"{family}-{i}"), tok_s(result, f"{family}-{i}")) for i in range(len(runs))]
