@@ -1,6 +1,7 @@
 // One call of the float column-panel linear, by unit of work (a pair of panels under
 // AVX-512, one otherwise): panel_linear.cpp splits a call's units over the threads,
-// moe_experts.cpp the units of every expert's call of a step at once.
+// moe_experts.cpp the units of every expert's call of a step at once; quant_linear.cpp takes
+// its instruction-set choice.
 #pragma once
 
 #include "panel_blocks.h"

@@ -22,7 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "panel_blocks.h"
+#include "panel_run.h"
 #include "work_split.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -312,18 +312,8 @@ void qblock_plain(const QArgs& a, int64_t m0, int64_t rows, int64_t p) {
   }
 }
 
-enum class Isa { kAvx512, kAvx2, kPlain };
-
-Isa best_isa() {
-#ifdef RAYDECODE_X86
-  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
-                         : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? Isa::kAvx2
-                                                                                             : Isa::kPlain;
-  return isa;
-#else
-  return Isa::kPlain;
-#endif
-}
+using raydecode::Isa;
+using raydecode::best_isa;
 
 int64_t panels_per_unit(Isa isa, int64_t M) {
   if (isa != Isa::kAvx512) return 1;
