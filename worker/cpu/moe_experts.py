@@ -65,7 +65,6 @@ class NativeExperts:
         self.up_biases = [layer.bias for layer in ups] if ups[0].bias is not None else []
         self.down_biases = [layer.bias for layer in downs] if downs[0].bias is not None else []
         self.gate, self.alpha, self.limit = gate
-        self.hidden = downs[0].out_features
         limits = [layer.gemm_from_rows for layer in ups + downs if layer.gemm is not None]
         #: an expert with this many rows in a step goes to the Python loop (0: never)
         self.gemm_from_rows = min(limits) if limits else 0

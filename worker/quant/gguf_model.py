@@ -164,10 +164,10 @@ def _reader(part: str) -> Any:
 
 
 def _architecture(reader: Any, path: str) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    arch = _field(reader, "general.architecture")
+    if arch is None:
         raise GGUFError(f"{os.path.basename(path)} has no general.architecture")
-    return bytes(field.parts[field.data[0]]).decode()
+    return str(arch)
 
 
 @contextlib.contextmanager
