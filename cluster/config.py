@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from cluster.reasoning_parsers import reasoning_parser
 from worker.config import WorkerConfig, check_fraction, check_positive, is_int, require
 
 
@@ -85,10 +86,19 @@ class EngineConfig(WorkerConfig, kw_only=True):
     max_sequences_per_request: int = 1024
     #: entries of ``stop``, and of ``bad_words``
     max_stop_strings: int = 64
+    #: how the model writes its reasoning (vLLM's names: deepseek_r1, qwen3, deepseek_v3,
+    #: mistral, granite, openai_gptoss): chat answers carry it apart from the content
+    #: (``reasoning``), and a thinking budget counts between its markers unless
+    #: reasoning_start / reasoning_end are given
+    reasoning_parser: str | None = None
     #: extra keyword arguments for ``ray.init`` when the engine starts Ray
     ray_init_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            spec = reasoning_parser(self.reasoning_parser)
+            if self.reasoning_start is None and self.reasoning_end is None:
+                self.reasoning_start, self.reasoning_end = spec.budget_start, spec.budget_end
         super().__post_init__()
         check_positive(self, "num_workers", "max_num_batched_tokens", "max_request_failures", "max_n",
                        "max_sequences_per_request", "max_stop_strings")

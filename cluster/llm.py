@@ -6,12 +6,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.inputs import Conversation, PromptType, is_single_prompt, render_chat
 from cluster.outputs import RequestOutput
+from cluster.reasoning_parsers import reasoning_parser
 from sampler.params import RequestOutputKind, SamplingParams
 
 
@@ -68,14 +70,30 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to conversations (one, or a list of them) rendered with the
-        tokenizer's chat template."""
+        tokenizer's chat template. With a ``reasoning_parser`` each output's text is
+        also split into ``reasoning`` and ``content``, and a ``structured_outputs``
+        constraint applies to the content (from the end of the reasoning on)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             render_chat(c, self.tokenizer, add_generation_prompt=add_generation_prompt,
                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        name = self.engine.config.reasoning_parser
+        if name is None:
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        spec = reasoning_parser(name)
+        params = self._params_list(sampling_params, len(prompts))
+        if spec.needs_special_tokens(self.tokenizer):  # its markers are special tokens: the text must show them
+            params = [p.clone(skip_special_tokens=False) for p in params]
+        if spec.thinks(chat_template_kwargs):  # a constraint applies to the answer, after the reasoning
+            params = [p.clone(structured_outputs=msgspec.structs.replace(p.structured_outputs, after_reasoning=True))
+                      if p.structured_outputs is not None else p for p in params]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        for out in outputs:
+            for c in out.outputs:
+                c.reasoning, c.content = spec.split(c.text, chat_template_kwargs)
+        return outputs
 
     @staticmethod
     def _params_list(params: Any, n: int) -> list[SamplingParams]:

@@ -36,6 +36,11 @@ class CompletionOutput:
     finish_reason: str | None = None
     #: the stop string or stop token id that ended it (None for EOS and the rest)
     stop_reason: int | str | None = None
+    #: ``LLM.chat`` with a ``reasoning_parser`` (an extension; vLLM's offline API does
+    #: not split): ``text`` split into the reasoning and the answer (None where there
+    #: is none, as the chat endpoint's ``reasoning`` / ``content``)
+    reasoning: str | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.engine import StepRecord
 from cluster.outputs import RequestOutput
+from cluster.reasoning_parsers import reasoning_parser
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, bad_request
 from deploy.openai.protocol import (
@@ -157,6 +158,8 @@ class EngineServer:
         self.api_options = ApiOptions(
             structured_defaults=self.args.structured_outputs_config.model_dump(),
             tool_call_parser=self.args.tool_call_parser, enable_auto_tool_choice=self.args.enable_auto_tool_choice,
+            reasoning_parser=self.llm.engine.config.reasoning_parser,
+            reasoning_special_tokens=self._reasoning_special_tokens(),
             max_tools=self.args.max_tools,
             exclude_tools_when_tool_choice_none=self.args.exclude_tools_when_tool_choice_none,
             max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
@@ -164,6 +167,10 @@ class EngineServer:
         self.timeline = TimelineLog(self.args.request_timeline)
         if self.timeline.enabled:
             self.llm.engine.on_step = self._trace_step
+
+    def _reasoning_special_tokens(self) -> bool:
+        name = self.llm.engine.config.reasoning_parser
+        return name is not None and reasoning_parser(name).needs_special_tokens(self.llm.engine.tokenizer)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the engine loop stopped or is
@@ -176,6 +183,13 @@ class EngineServer:
     @property
     def tokenizer(self) -> Any:
         return self.llm.tokenizer
+
+    def _count_tokens(self) -> Callable[[str], int] | None:
+        """With a reasoning parser, the answers' usage counts the reasoning's tokens."""
+        if self.llm.engine.config.reasoning_parser is None:
+            return None
+        tokenizer = self.tokenizer
+        return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
     def _token_text(self, body: SamplingFields) -> TokenText:
         tokenizer = self.tokenizer
@@ -218,7 +232,8 @@ class EngineServer:
         engine = self.llm.engine
         if params.thinking_token_budget is not None and not engine.config.reasoning_start:
             raise APIError(400, "thinking_token_budget: this server has no reasoning markers (start it with "
-                                "--reasoning-start and --reasoning-end)", "BadRequestError", "thinking_token_budget")
+                                "--reasoning-parser, or --reasoning-start and --reasoning-end)", "BadRequestError",
+                           "thinking_token_budget")
         n = getattr(params, "n", 1)
         if len(prompts) * n > engine.config.max_sequences_per_request:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than the server's "
@@ -477,9 +492,10 @@ class EngineServer:
         if not body.streaming:
             (out,) = await _run_all([self._final(stream)])
             self._trace(key, started, [request], None)
-            response = await self.llm.run_off_loop(chat_response, rid, self.model_name, out, body, text)
+            response = await self.llm.run_off_loop(chat_response, rid, self.model_name, out, body, text,
+                                                   self._count_tokens())
             return Reply(body=response.model_dump(exclude_unset=True)), None
-        builder = ChatChunks(rid, self.model_name, body, text)
+        builder = ChatChunks(rid, self.model_name, body, text, self._count_tokens())
         return Reply(stream=True), self._events(rid, "chat.completion.chunk", body, [stream],
                                                 lambda _, out: builder.chunks(out), builder.total_usage,
                                                 lambda first: self._trace(key, started, [request], first))

@@ -119,6 +119,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    #: the constraint applies once the model's reasoning has ended (the worker's
+    #: reasoning end marker, set by a reasoning parser) and not to the reasoning before
+    #: it, as vLLM constrains reasoning models; a text that never ends its reasoning is
+    #: not constrained. The chat endpoint and ``LLM.chat`` set it when the server has a
+    #: reasoning parser
+    after_reasoning: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -168,7 +174,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             check_text("structured_outputs.choice", self.choice)
         if self.json_object is not None and self.json_object is not True:
             raise bad("json_object", "true (or left out)", self.json_object)
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "after_reasoning"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool", getattr(self, name))
         if self.whitespace_pattern is not None and self.json is None and not self.json_object:

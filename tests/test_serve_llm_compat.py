@@ -155,7 +155,8 @@ def test_vllm_names_raydecode_shares_or_renames():
 REFUSED = [
     # engine_kwargs: vLLM-only, unknown, LoRA, prefill/decode disaggregation, bad types
     (llm(engine_kwargs={"quantization": "fp8"}), r"engine_kwargs: quantization 'fp8' is not supported by raydecode"),
-    (llm(engine_kwargs={"reasoning_parser": "deepseek_r1"}), r"engine_kwargs\.reasoning_parser: .*vLLM-only"),
+    (llm(engine_kwargs={"reasoning_parser_plugin": "my.py"}), r"engine_kwargs\.reasoning_parser_plugin: .*vLLM-only"),
+    (llm(engine_kwargs={"reasoning_parser": "o1"}), r"reasoning_parser must be one of .*got 'o1'"),
     (llm(engine_kwargs={"max_modle_len": 256}), r"engine_kwargs\.max_modle_len: unknown engine argument"),
     (llm(engine_kwargs={"enable_lora": True}), r"engine_kwargs\.enable_lora: LoRA adapters are not supported"),
     (llm(engine_kwargs={"max_lora_rank": 8}), r"engine_kwargs\.max_lora_rank: LoRA"),

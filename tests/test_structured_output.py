@@ -681,8 +681,9 @@ def test_the_device_path_masks_like_the_numpy_path(compiler):
 
 
 def test_a_thinking_budget_forcing_a_token_outside_the_grammar_fails_that_request(worker_factory, tok):
-    """A documented limit: inside a thinking block (the prompt opens one) the grammar
-    applies from the first token, and the budget then forces the end marker, which the
+    """Without ``after_reasoning`` (as a request through the completions API, or a
+    server with no reasoning parser): inside a thinking block (the prompt opens one)
+    the grammar applies from the first token, and the budget then forces the end marker, which the
     grammar does not allow: that request fails with an error, its batch neighbour does
     not; without a budget the same request follows its grammar."""
     from worker_driver import MiniDriver
@@ -701,3 +702,60 @@ def test_a_thinking_budget_forcing_a_token_outside_the_grammar_fails_that_reques
     assert outs[2]["t"].error and "no token is allowed" in outs[2]["t"].error
     assert outs[None]["t"].error is None
     assert regex.fullmatch("[a-z ]{1,30}", tok.decode(outs[None]["t"].output, skip_special_tokens=True), partial=True)
+
+
+# -- after_reasoning: the grammar waits for the reasoning's end marker -----------------------
+
+
+@given(reasoning=st.lists(st.sampled_from([7, 9, 40, 300, EOS]), max_size=8), data=st.data())
+@SETTINGS
+def test_after_reasoning_the_grammar_starts_past_the_end_marker(compiler, token_bytes, reasoning, data):
+    """A row whose constraint applies after its reasoning: every token allowed until
+    the output completes the end marker (two tokens here, so a lone first one does not
+    open it), then exactly the masks of a fresh row fed only what follows the marker;
+    a draft that completes the marker gets the fresh grammar's masks past it."""
+    gate = (7, 9)
+    pattern = "[a-z ]{1,30}"
+    gated = StructuredOutputLogitsProcessor(SamplerConfig(vocab_size=VOCAB, max_num_seqs=1), "cpu", False,
+                                            compiler=compiler, reasoning_end=gate)
+    reasoning = [t for i, t in enumerate(reasoning) if not (t == 9 and i and reasoning[i - 1] == 7)]
+    if reasoning[-1:] == [7]:
+        reasoning.append(40)  # the marker is completed below, by a draft or a real token
+    output = list(reasoning)
+    add(gated, (0, so(regex=pattern, after_reasoning=True), output))
+    assert mask_of(gated, 1) == [set(range(VOCAB))]
+    fresh_output: list[int] = []
+    fresh = new_proc(compiler, rows=1)
+    add(fresh, (0, so(regex=pattern), fresh_output))
+    after = [data.draw(st.sampled_from(sorted(mask_of(fresh, 1)[0] - {EOS})))]
+    # drafts: [7], [7, 9], [7, 9, after]: the marker is complete after the second
+    logits = torch.zeros(4, VOCAB)
+    gated.apply_at_positions(logits, np.zeros(4, np.int64), np.arange(4), [[], [7], [7, 9], [7, 9, *after]])
+    got = allowed_sets(logits)
+    want_first = mask_of(fresh, 1)[0]
+    fresh_output.extend(after)
+    fresh.update_state(None)
+    assert got[:2] == [set(range(VOCAB))] * 2 and got[2] == want_first and got[3] == mask_of(fresh, 1)[0]
+    output.extend([7, 9, *after])  # the drafts accepted
+    gated.update_state(None)
+    assert mask_of(gated, 1) == mask_of(fresh, 1)
+
+
+def test_a_thinking_budget_with_a_constraint_after_reasoning_ends_in_the_grammar(worker_factory, tok):
+    """The budget forces the end marker; the grammar applies from there on, so the
+    request finishes (no conflict between the forced marker and the grammar) and its
+    answer follows the pattern."""
+    from worker_driver import MiniDriver
+
+    start = tok.encode("<think>", add_special_tokens=False)
+    end = tok.encode("</think>", add_special_tokens=False)
+    prompt = tok.encode("the quick brown fox") + start
+    driver = MiniDriver(worker_factory(reasoning_start="<think>", reasoning_end="</think>").step, max_rows=2)
+    driver.submit("t", prompt, SamplingParams(temperature=0.0, max_tokens=14, eos_token_ids=[EOS], thinking_token_budget=2,
+                                              structured_outputs={"regex": "[a-z ]{1,30}", "after_reasoning": True}))
+    out = driver.run()["t"]
+    assert out.error is None
+    at = next(i for i in range(len(out.output)) if out.output[i:i + len(end)] == end)
+    assert at <= 2
+    answer = tok.decode(out.output[at + len(end):], skip_special_tokens=True)
+    assert answer and regex.fullmatch("[a-z ]{1,30}", answer, partial=True)

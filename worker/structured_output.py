@@ -256,19 +256,47 @@ class GrammarCompiler:
 # -- the processor -----------------------------------------------------------------------
 
 
-class _RowGrammar:
-    """One row's matcher, in step with the row's live output list."""
+def _gate_end(tokens: Sequence[int], start: int, gate: Sequence[int]) -> int | None:
+    """The index just past the first ``gate`` sequence in ``tokens`` that ends at or
+    after ``start`` (None: none ends there)."""
+    n = len(gate)
+    for i in range(max(start, n - 1), len(tokens)):
+        if tokens[i] == gate[-1] and list(tokens[i - n + 1:i + 1]) == list(gate):
+            return i + 1
+    return None
 
-    __slots__ = ("matcher", "output", "consumed", "error", "eos")
+
+class _RowGrammar:
+    """One row's matcher, in step with the row's live output list. With a ``gate``
+    (the reasoning end marker's token ids: ``after_reasoning``) the grammar sees only
+    the tokens after the first time the output completes it; until then the row is not
+    constrained."""
+
+    __slots__ = ("matcher", "output", "consumed", "error", "eos", "gate")
 
     def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int],
-                 eos: frozenset[int], error: str | None = None) -> None:
+                 eos: frozenset[int], error: str | None = None, gate: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
         self.output = output
         self.consumed = 0
         self.error = error
         self.eos = eos
+        self.gate = gate  # () once open (or never gated)
         self.sync()
+
+    @property
+    def gated(self) -> bool:
+        """Whether the grammar does not apply yet (the reasoning has not ended)."""
+        return bool(self.gate) and self.error is None
+
+    def _open_gate(self) -> None:
+        if not self.gate:
+            return
+        end = _gate_end(self.output, self.consumed, self.gate)
+        if end is None:
+            self.consumed = len(self.output)
+        else:
+            self.consumed, self.gate = end, ()
 
     def _fail(self, error: str) -> None:
         self.error = error
@@ -279,8 +307,9 @@ class _RowGrammar:
         if self.error is not None:
             self.consumed = len(self.output)
             return
+        self._open_gate()
         m = self.matcher
-        while self.consumed < len(self.output):
+        while not self.gate and self.consumed < len(self.output):
             token = self.output[self.consumed]
             self.consumed += 1
             if m.is_stopped():  # the grammar is complete: only EOS follows (ignore_eos repeats it)
@@ -294,6 +323,19 @@ class _RowGrammar:
         for each ``(k, prefix)``; the real state is left as it was (rolled back). A
         position behind a draft the grammar does not allow is never reached (that draft
         is rejected), so it stays unmasked (all ones)."""
+        if self.gated:  # the grammar starts after the gate, if a draft completes it
+            tail = list(self.output[max(0, len(self.output) - len(self.gate) + 1):])
+            opened = []
+            for k, prefix in items:
+                end = _gate_end(tail + list(prefix), len(tail), self.gate)
+                if end is not None:
+                    opened.append((k, list(prefix)[end - len(tail):]))
+            gate, self.gate = self.gate, ()
+            try:
+                self.fill_after_prefixes(bitmask, opened)  # the others stay unmasked
+            finally:
+                self.gate = gate
+            return
         if self.error is None:
             m = self.matcher
             current: list[int] = []
@@ -344,10 +386,12 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
 
     def __init__(
         self, config: SamplerConfig, device: torch.device, is_pin_memory: bool,
-        compiler: GrammarCompiler | None = None,
+        compiler: GrammarCompiler | None = None, reasoning_end: Sequence[int] = (),
     ) -> None:
         self.device = torch.device(device)
         self.compiler = compiler
+        #: the worker's reasoning end marker: ``after_reasoning`` rows wait for it
+        self.reasoning_end = tuple(reasoning_end)
         self.rows: dict[int, _RowGrammar] = {}
         self._shifts: dict[torch.device, torch.Tensor] = {}
         self._row_add: np.ndarray | None = None
@@ -370,7 +414,7 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         except ValueError as exc:  # the driver validates first; this is a worker-side guard
             logger.warning("structured output: %s; the request's row bans every token and fails", exc)
             return _RowGrammar(None, output, frozenset(), error=str(exc))
-        return _RowGrammar(matcher, output, eos)
+        return _RowGrammar(matcher, output, eos, gate=self.reasoning_end if so.after_reasoning else ())
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.rows, batch_update, self._new_row)
@@ -398,7 +442,9 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
         for k, r in enumerate(rows):
             state = self.rows[r]
             state.sync()
-            if state.error is None:
+            if state.gated:
+                bitmask[k] = -1  # still reasoning: every token allowed
+            elif state.error is None:
                 live.append((state.matcher, k))
             else:
                 bitmask[k] = 0

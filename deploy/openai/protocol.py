@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from cluster.reasoning_parsers import ReasoningParserSpec, reasoning_parser
 from deploy.openai.errors import RequestError, not_supported
 from deploy.openai.structured import Constraint, request_constraint
 from deploy.openai.text_validation import TextOnlyModel, printable
@@ -225,7 +226,7 @@ class SamplingFields(OpenAIBaseModel):
         fields.update(self._endpoint_params())
         if constraint is not None:
             fields["structured_outputs"] = constraint.spec
-        fields.update(self._tool_params())
+        fields.update(self._parser_params(options))
         try:
             return SamplingParams(**fields)
         except ValueError as exc:  # SamplingParams names the field first
@@ -235,7 +236,8 @@ class SamplingFields(OpenAIBaseModel):
             name = str(exc).split(" ", 1)[0]
             raise RequestError(str(exc), name if name in fields else None) from None
 
-    def _tool_params(self) -> dict[str, Any]:
+    def _parser_params(self, options: ApiOptions) -> dict[str, Any]:
+        """What the server's output parsers (tools, reasoning) need of the sampling."""
         return {}
 
     def _endpoint_params(self) -> dict[str, Any]:
@@ -337,9 +339,15 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this answers
+    #: an assistant turn's reasoning fed back (vLLM's field; ``reasoning_content``, the
+    #: older name, is taken too): templates that keep it (Qwen3, DeepSeek) render it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _fits_role(self) -> ChatMessage:
+        if self.reasoning is None and self.reasoning_content is not None:
+            self.reasoning = self.reasoning_content
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content (only an assistant message may have null)")
         if self.tool_calls is not None and self.role != "assistant":
@@ -366,11 +374,14 @@ class ChatMessage(OpenAIBaseModel):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:  # both names, as vLLM hands templates
+            message["reasoning"] = message["reasoning_content"] = self.reasoning
         return message
 
     def extra_chars(self) -> int:
-        """Characters this message adds to the prompt beyond its text (its calls)."""
-        total = 0
+        """Characters this message adds to the prompt beyond its text (its calls, its
+        reasoning)."""
+        total = len(self.reasoning or "")
         for c in self.tool_calls or ():
             arguments = c.function.arguments
             total += len(c.function.name) + (len(arguments) if isinstance(arguments, str) else
@@ -450,8 +461,11 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
     #: "none", "auto" (the default with tools), "required", or {"type": "function", "function": {"name": ...}}
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning from the answer
     functions: Any = None
     function_call: Any = None
+
+    _reasoning: ReasoningParserSpec | None = PrivateAttr(default=None)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -479,11 +493,28 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
                                "structured_outputs")
         return constraint
 
-    def _tool_params(self) -> dict[str, Any]:
+    @property
+    def reasoning(self) -> ReasoningParserSpec | None:
+        """The server's reasoning parser where this request's answer has reasoning to
+        split off (decided by ``sampling_params``): not when its chat template keywords
+        turn thinking off, nor with ``include_reasoning: false`` and an output
+        constraint (which then applies from the first token, as vLLM)."""
+        return self._reasoning
+
+    def _parser_params(self, options: ApiOptions) -> dict[str, Any]:
+        spec = reasoning_parser(options.reasoning_parser) if options.reasoning_parser is not None else None
+        if spec is not None and (not spec.thinks(self.template_kwargs()) or (
+                self._constraint is not None and not self.include_reasoning)):
+            spec = None
+        self._reasoning = spec
+        params: dict[str, Any] = {}
+        if spec is not None and self._constraint is not None:  # the answer is constrained, not the reasoning
+            params["structured_outputs"] = {**self._constraint.spec, "after_reasoning": True}
         # vLLM's hermes parser keeps special tokens: some models' <tool_call> is one
-        if self.tool_plan.mode == "auto" and self.tool_plan.parser == "hermes":
-            return {"skip_special_tokens": False}
-        return {}
+        if (self.tool_plan.mode == "auto" and self.tool_plan.parser == "hermes") or (
+                spec is not None and options.reasoning_special_tokens):
+            params["skip_special_tokens"] = False
+        return params
 
     def unsupported(self) -> Iterator[RequestError]:
         yield from super().unsupported()

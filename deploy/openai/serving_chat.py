@@ -1,13 +1,15 @@
 """The chat endpoint's responses (``/v1/chat/completions``), whole or streamed:
 ``chat_response`` for a whole answer, ``ChatChunks`` for a stream (the state it keeps
-across chunks: whether the role was sent, each choice's tool call parser, tokens so
-far), tool calls in OpenAI's message and delta shapes, and ``chat_logprobs``, this
+across chunks: whether the role was sent, each choice's reasoning split and tool call
+parser, tokens so far), the reasoning apart from the content under a reasoning parser
+(``cluster/reasoning_parsers.py``; tools are parsed from the content), tool calls in OpenAI's message and delta shapes, and ``chat_logprobs``, this
 endpoint's logprobs shape (per token, its ``top_logprobs``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from openai.types import CompletionUsage
@@ -24,11 +26,15 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaTool
 from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall
 from openai.types.chat.chat_completion_message_function_tool_call import Function as CalledToolFunction
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_usage import CompletionTokensDetails
 
 from cluster.outputs import CompletionOutput, RequestOutput
 from deploy.openai.protocol import ChatCompletionRequest
 from deploy.openai.responses import TokenText, construct, finite_logprob, prompt_logprobs_json, usage
 from deploy.openai.tool_parsers import ToolCall, ToolCallDelta
+
+#: a text's length in the model's tokens
+TokenCount = Callable[[str], int]
 
 
 def chat_logprobs(c: CompletionOutput, top: int, text: TokenText) -> ChoiceLogprobs | None:
@@ -82,22 +88,40 @@ def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[ChoiceDeltaToolCall]:
     return out
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletionRequest, text: TokenText) -> ChatCompletion:
+def _usage_with_reasoning(total: CompletionUsage, reasoning: list[str], count_tokens: TokenCount | None) -> CompletionUsage:
+    """``total`` with ``completion_tokens_details.reasoning_tokens`` (the reasoning's
+    texts counted in tokens), as vLLM reports it when it has a reasoning parser."""
+    if count_tokens is not None:
+        total.completion_tokens_details = CompletionTokensDetails(
+            reasoning_tokens=sum(count_tokens(r) for r in reasoning if r))
+    return total
+
+
+def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletionRequest, text: TokenText,
+                  count_tokens: TokenCount | None = None) -> ChatCompletion:
+    """The whole answer. ``count_tokens``: the tokenizer's count of a text, for the
+    reasoning tokens in ``usage`` (None: not reported)."""
     top, role, echo = body.top_logprobs or 0, body.response_role(), body.echo_text()
-    plan = body.tool_plan
-    choices = []
+    plan, spec = body.tool_plan, body.reasoning
+    choices, reasonings = [], []
     for c in out.outputs:
-        finish_reason = c.finish_reason
-        message = construct(ChatCompletionMessage, role=role, content=echo + c.text)
+        finish_reason, content, calls, extra = c.finish_reason, c.text, [], {}
+        if spec is not None:
+            reasoning, answer = spec.split(c.text, body.template_kwargs())
+            content = answer or ""
+            reasonings.append(reasoning or "")
+            extra["reasoning"] = reasoning if body.include_reasoning else None  # vLLM's field
         if plan.parses:
-            content, calls = plan.parser_for_choice().parse(c.text)
+            content, calls = plan.parser_for_choice().parse(content)
             finish_reason = plan.finish_reason(c.finish_reason, bool(calls))
-            if calls:
-                content = echo + content if content else (echo or plan.empty_content())
-                message = construct(ChatCompletionMessage, role=role, content=content,
-                                                                tool_calls=_message_tool_calls(calls))
-            else:
-                message = construct(ChatCompletionMessage, role=role, content=echo + content)
+        if calls:
+            content = echo + content if content else (echo or plan.empty_content())
+            message = construct(ChatCompletionMessage, role=role, content=content,
+                                tool_calls=_message_tool_calls(calls), **extra)
+        else:
+            content = echo + content
+            message = construct(ChatCompletionMessage, role=role,
+                                content=content if spec is None else content or None, **extra)
         fields: dict[str, Any] = {
             "index": c.index, "message": message,
             "finish_reason": finish_reason, "logprobs": chat_logprobs(c, top, text), "stop_reason": c.stop_reason,
@@ -107,7 +131,8 @@ def chat_response(rid: str, model: str, out: RequestOutput, body: ChatCompletion
         choices.append(construct(ChatChoice, **fields))
     response = construct(
         ChatCompletion, id=rid, object="chat.completion", created=int(time.time()), model=model,
-        choices=choices, usage=usage([out]), prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+        choices=choices, usage=_usage_with_reasoning(usage([out]), reasonings, count_tokens),
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
     if body.return_token_ids:
         response.prompt_token_ids = list(out.prompt_token_ids)
@@ -118,11 +143,16 @@ class ChatChunks:
     """A chat stream as vLLM sends it: first a chunk per choice with the role (and
     empty content), then the echoed text if any, then one chunk per choice's delta."""
 
-    def __init__(self, rid: str, model: str, body: ChatCompletionRequest, text: TokenText) -> None:
+    def __init__(self, rid: str, model: str, body: ChatCompletionRequest, text: TokenText,
+                 count_tokens: TokenCount | None = None) -> None:
         self.rid, self.model, self.body, self.text = rid, model, body, text
+        self.count_tokens = count_tokens
+        self.reasoning: dict[int, list[str]] = {}  # each choice's reasoning so far
         plan = body.tool_plan
         self.plan = plan if plan.parses else None
         self.parsers = [plan.parser_for_choice() for _ in range(body.num_samples)] if self.plan else []
+        spec = body.reasoning
+        self.splits = [spec.new_split(body.template_kwargs()) for _ in range(body.num_samples)] if spec else []
         self.created = int(time.time())
         self.started = False
         self.prompt_tokens = 0
@@ -160,7 +190,7 @@ class ChatChunks:
             self.tokens[c.index] = self.tokens.get(c.index, 0) + len(c.token_ids)
             logprobs = chat_logprobs(c, body.top_logprobs or 0, self.text)
             delta, finish_reason = construct(ChoiceDelta, content=c.text), c.finish_reason
-            if self.plan is not None:
+            if self.plan is not None or self.splits:
                 delta, finish_reason = self._parsed_delta(c)
                 if delta is None:
                     if c.finish_reason is None and logprobs is None and not body.return_token_ids:
@@ -177,23 +207,36 @@ class ChatChunks:
         return chunks
 
     def _parsed_delta(self, c: CompletionOutput) -> tuple[ChoiceDelta | None, str | None]:
-        """A choice's delta through its tool call parser (None: nothing to send), and
-        its finish reason."""
-        parser = self.parsers[c.index]
-        content, deltas = parser.feed(c.text)
-        finish_reason = c.finish_reason
-        if finish_reason is not None:
-            more, last = parser.finish()
-            content, deltas = content + more, deltas + last
-            finish_reason = self.plan.finish_reason(finish_reason, bool(parser.calls))
+        """A choice's delta through its reasoning split and its tool call parser (None:
+        nothing to send), and its finish reason."""
+        finish_reason, reasoning, answer = c.finish_reason, "", c.text
+        if self.splits:
+            split = self.splits[c.index]
+            reasoning, answer = split.feed(c.text)
+            if finish_reason is not None:
+                more_reasoning, more_answer = split.finish()
+                reasoning, answer = reasoning + more_reasoning, answer + more_answer
         fields: dict[str, Any] = {}
+        if reasoning:
+            self.reasoning.setdefault(c.index, []).append(reasoning)
+        if reasoning and self.body.include_reasoning:
+            fields["reasoning"] = reasoning
+        content = answer
+        if self.plan is not None:
+            parser = self.parsers[c.index]
+            content, deltas = parser.feed(answer)
+            if finish_reason is not None:
+                more, last = parser.finish()
+                content, deltas = content + more, deltas + last
+                finish_reason = self.plan.finish_reason(finish_reason, bool(parser.calls))
+            if deltas:
+                fields["tool_calls"] = _delta_tool_calls(deltas)
         if content:
             fields["content"] = content
-        if deltas:
-            fields["tool_calls"] = _delta_tool_calls(deltas)
         return (construct(ChoiceDelta, **fields) if fields else None), finish_reason
 
     def total_usage(self) -> CompletionUsage:
         done = sum(self.tokens.values())
-        return CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=done,
-                               total_tokens=self.prompt_tokens + done)
+        total = CompletionUsage(prompt_tokens=self.prompt_tokens, completion_tokens=done,
+                                total_tokens=self.prompt_tokens + done)
+        return _usage_with_reasoning(total, ["".join(parts) for parts in self.reasoning.values()], self.count_tokens)

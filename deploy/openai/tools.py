@@ -49,6 +49,11 @@ class ApiOptions:
     structured_defaults: Mapping[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    #: the engine's ``reasoning_parser`` (chat answers split their reasoning off), and
+    #: whether its markers are special tokens of the model's tokenizer (the text must
+    #: keep special tokens to show them)
+    reasoning_parser: str | None = None
+    reasoning_special_tokens: bool = False
     max_tools: int = DEFAULT_MAX_TOOLS
     exclude_tools_when_tool_choice_none: bool = False
     #: characters the rendered prompt may hold (tools and call arguments beyond it

@@ -102,7 +102,7 @@ VLLM_ONLY = frozenset({
     "mm_encoder_fp8_scale_save_margin", "renderer_num_workers", "skip_mm_profiling", "video_pruning_rate",
     "mm_tensor_ipc", "disable_mm_preprocessor_cache",
     # engine: decoding, reasoning, speculative (other than n-gram), observability
-    "reasoning_parser", "reasoning_parser_plugin", "reasoning_config", "guided_decoding_backend",
+    "reasoning_parser_plugin", "reasoning_config", "guided_decoding_backend",
     "logits_processor_pattern", "speculative_model", "num_speculative_tokens", "speculative_model_quantization",
     "speculative_draft_tensor_parallel_size", "speculative_max_model_len", "speculative_disable_by_batch_size",
     "ngram_prompt_lookup_max", "ngram_prompt_lookup_min", "enable_reasoning",

@@ -524,7 +524,8 @@ class ModelRunner:
             raise ModelLoadError(f"logits_processors: {exc}") from None
         # Structured outputs (worker/structured_output.py): idle while no row has a constraint.
         logitsprocs.non_argmax_invariant.append(StructuredOutputLogitsProcessor(
-            self.sampler_config, self.device, False, compiler=self.grammar_compiler))
+            self.sampler_config, self.device, False, compiler=self.grammar_compiler,
+            reasoning_end=self.reasoning.reasoning_end_token_ids if self.reasoning is not None else ()))
         thinking = None
         if self.reasoning is not None:
             thinking = ThinkingBudgetStateHolder(
