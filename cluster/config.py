@@ -87,7 +87,7 @@ class EngineConfig(WorkerConfig, kw_only=True):
     #: entries of ``stop``, and of ``bad_words``
     max_stop_strings: int = 64
     #: how the model writes its reasoning (vLLM's names: deepseek_r1, qwen3, deepseek_v3,
-    #: mistral, granite, openai_gptoss): chat answers carry it apart from the content
+    #: glm45, glm47, step3, seed_oss, mistral, granite, openai_gptoss): chat answers carry it apart from the content
     #: (``reasoning``), and a thinking budget counts between its markers unless
     #: reasoning_start / reasoning_end are given
     reasoning_parser: str | None = None

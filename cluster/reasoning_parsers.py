@@ -22,6 +22,8 @@ text must keep them, ``ReasoningParserSpec.needs_special_tokens``):
   is dropped. ``chat_template_kwargs: {"enable_thinking": false}``: all content.
 - ``deepseek_v3``: ``deepseek_r1`` when the chat template was asked to think
   (``thinking`` or ``enable_thinking`` true), else all content.
+- ``glm45``, ``glm47``: as ``qwen3``. ``step3``: reasoning up to ``</think>`` (a
+  ``<think>`` stays text). ``seed_oss``: as ``deepseek_r1`` with ``<seed:think>``.
 - ``mistral``: content until ``[THINK]``, reasoning until ``[/THINK]`` (Magistral).
 - ``granite``: content until "Here's my thought process:" (or "Here is ..."),
   reasoning until "Here's my response:" (or "Here is ...").
@@ -295,6 +297,20 @@ REASONING_PARSERS: dict[str, ReasoningParserSpec] = {
             "granite", "Here's my thought process:", "Here's my response:",
             MarkerGrammar(starts=("Here's my thought process:", "Here is my thought process:"),
                           ends=("Here's my response:", "Here is my response:"), starts_in_reasoning=False)),
+        ReasoningParserSpec(
+            "glm45", "<think>", "</think>",
+            MarkerGrammar(starts=("<think>",), ends=("</think>",), starts_in_reasoning=True,
+                          kept_ends=("<tool_call>",), drop_stray_ends=True),
+            thinking_switch=(("enable_thinking",), True)),
+        ReasoningParserSpec(
+            "glm47", "<think>", "</think>",
+            MarkerGrammar(starts=("<think>",), ends=("</think>",), starts_in_reasoning=True,
+                          kept_ends=("<tool_call>",), drop_stray_ends=True),
+            thinking_switch=(("enable_thinking",), True)),
+        ReasoningParserSpec("step3", "<think>", "</think>",  # its template never writes <think>: kept as text
+                            MarkerGrammar(starts=(), ends=("</think>",), starts_in_reasoning=True)),
+        ReasoningParserSpec("seed_oss", "<seed:think>", "</seed:think>",
+                            MarkerGrammar(starts=("<seed:think>",), ends=("</seed:think>",), starts_in_reasoning=True)),
         ReasoningParserSpec("openai_gptoss", "<|channel|>analysis<|message|>",
                             "<|end|><|start|>assistant<|channel|>final<|message|>", None),
     )

@@ -39,7 +39,8 @@ def _our_parsers():
 
 REASONING_PARSERS = _our_parsers()
 
-MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "[THINK]", "[/THINK]", "[TOOL_CALLS]"]
+MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "[THINK]", "[/THINK]", "[TOOL_CALLS]",
+           "<seed:think>", "</seed:think>", "<seed:tool_call>", "</seed:tool_call>", "<|observation|>", "<|user|>"]
 
 #: (parser, chat_template_kwargs, model text): what the families write
 CASES: list[tuple[str, dict | None, str]] = [
@@ -62,6 +63,18 @@ CASES: list[tuple[str, dict | None, str]] = [
     ("granite", None, "Here's my thought process:\nCheck facts.\nHere's my response:\nParis."),
     ("granite", None, "Here is my thought process: a. Here is my response: b."),
     ("granite", None, "Just an answer."),
+    *[(name, kwargs, text) for name in ("glm45", "glm47", "step3") for kwargs, text in [
+        (None, "<think>Weigh it.</think>Answer."),
+        (None, "Weigh it.</think>Answer."),
+        (None, "Only thinking"),
+        (None, "<think>Need a tool.</think><tool_call>get_weather</tool_call>"),
+        (None, "<think>Call now<tool_call>get_weather</tool_call>"),
+        ({"enable_thinking": False}, "Direct answer."),
+        (None, "a</think>b</think>c"),
+    ]],
+    ("seed_oss", None, "<seed:think>Budget check.</seed:think>Done."),
+    ("seed_oss", None, "Budget check.</seed:think>Done."),
+    ("seed_oss", None, "Still going"),
     ("openai_gptoss", None, "<|channel|>analysis<|message|>User asks 2+2.<|end|>"
                             "<|start|>assistant<|channel|>final<|message|>4"),
     ("openai_gptoss", None, "<|channel|>final<|message|>Only the answer"),
