@@ -212,6 +212,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--structured-outputs-config", type=json_of(dict), default=None, metavar="JSON",
                    help='defaults for JSON constraints: {"disable_any_whitespace": true, '
                         '"disable_additional_properties": true}')
+    t.add_argument("--enable-responses-store", action="store_true",
+                   help="keep Responses API responses (previous_response_id, GET /v1/responses/{id}) in the "
+                        "ingress's memory; off by default, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE")
+    t.add_argument("--responses-store-max-entries", type=int, default=None,
+                   help="responses the store keeps, the oldest dropped first (default 10000)")
+    t.add_argument("--responses-store-max-age-s", type=float, default=None,
+                   help="seconds a stored response is kept (default 3600)")
     r = srv.add_argument_group("engine replicas: how many, how they scale, how they drain (Serve's settings)")
     r.add_argument("--num-replicas", type=int, default=None, help="fixed engine replicas (default 1)")
     r.add_argument("--min-replicas", type=int, default=None,
@@ -336,6 +343,13 @@ def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
                            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
     if args.max_tools is not None:
         out["max_tools"] = args.max_tools
+    out["enable_responses_store"] = args.enable_responses_store
+    for name in ("responses_store_max_entries", "responses_store_max_age_s"):
+        value = getattr(args, name)
+        if value is not None:
+            if value <= 0:
+                ap.error(f"--{name.replace('_', '-')} must be above 0, got {value}")
+            out[name] = value
     if args.structured_outputs_config is not None:
         from pydantic import ValidationError
 

@@ -3,8 +3,10 @@ picks the engine deployment serving the request's ``model``, and relays its answ
 (Ray Serve LLM's ``OpenAiIngress``). It holds no model and no engine, so it answers
 cleanly while an engine replica is down or being replaced.
 
-Routes (vLLM's): ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(``stream: true`` answers with server-sent events), ``GET /v1/models``,
+Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+``POST /v1/responses`` (the Responses API over the chat endpoint; ``GET`` and ``DELETE
+/v1/responses/{id}`` with the store on) (``stream: true`` answers with server-sent
+events), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
 ``GET /metrics`` (Prometheus text, vLLM's metric names), ``GET /health``. Bad requests
 get HTTP 400 with an OpenAI error object naming the field, an unknown model 404, a
@@ -31,14 +33,25 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.metrics import ReplicaMetrics
-from deploy.openai.errors import APIError, error_body
+from deploy.openai.errors import APIError, bad_request, error_body
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deploy.openai.reply import Reply, sse_event
+from deploy.openai.responses_api import (
+    ResponseEvents,
+    ResponseShell,
+    ResponsesRequest,
+    ResponseStore,
+    chat_events,
+    output_messages,
+    response_object,
+    to_chat,
+)
 from deploy.timeline import TimelineLog
 
 logger = logging.getLogger("ray.serve")
@@ -137,7 +150,7 @@ class OpenAIIngress:
     """``engines``: the served model name of each engine deployment, to its handle."""
 
     def __init__(self, engines: dict[str, Any], api_key: str | None = None, retry_after_s: float = 1.0,
-                 request_timeline: str | None = None) -> None:
+                 request_timeline: str | None = None, responses_store: dict[str, Any] | None = None) -> None:
         if not engines:
             raise ValueError("the ingress needs at least one engine deployment")
         self.engines = {name: over_cluster_transport(h) for name, h in engines.items()}
@@ -148,6 +161,8 @@ class OpenAIIngress:
         #: replicas push theirs; this ingress has none of its own)
         self.replica_metrics = ReplicaMetrics(None, "")
         self.timeline = TimelineLog(request_timeline)
+        #: the Responses API's stored responses (None: no store, vLLM's default)
+        self.responses_store = ResponseStore(**responses_store) if responses_store else None
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -181,21 +196,25 @@ class OpenAIIngress:
         except (BackPressureError, *ENGINE_GONE) as exc:
             raise self._unavailable(exc) from None
 
-    async def _generate(self, handle: Any, method: str, body: Any, request_id: str | None) -> Response:
-        """A generation call: the engine's first item says what the response is; a
-        stream relays the rest as it comes."""
-        started = time.time()
-        key = body.request_id or request_id if self.timeline.enabled else None
+    async def _open(self, handle: Any, method: str, body: Any, request_id: str | None) -> tuple[Any, Reply]:
+        """A generation call's stream and its first item (``Reply``: what the response is)."""
         stream = None
         try:
             stream = getattr(handle.options(stream=True), method).remote(body, request_id)
-            head = await stream.__anext__()
+            return stream, await stream.__anext__()
         except (BackPressureError, *ENGINE_GONE) as exc:
             _cancel(stream)
             raise self._unavailable(exc) from None
         except BaseException:
             _cancel(stream)
             raise
+
+    async def _generate(self, handle: Any, method: str, body: Any, request_id: str | None) -> Response:
+        """A generation call: the engine's first item says what the response is; a
+        stream relays the rest as it comes."""
+        started = time.time()
+        key = body.request_id or request_id if self.timeline.enabled else None
+        stream, head = await self._open(handle, method, body, request_id)
         trace = None if key is None else {"stage": "ingress", "id": key, "in": started, "head": time.time(),
                                           "first_text": None}
         if not head.stream:
@@ -291,3 +310,86 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_key(raw)
         return await self._generate(self._engine(body.model), "chat", body, raw.headers.get("x-request-id"))
+
+    # -- routes: the Responses API (deploy/openai/responses_api.py) ---------------------
+
+    def _stored(self, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if self.responses_store is None:  # nothing is kept: every id is unknown (vLLM's answer)
+            raise APIError(404, f"Response with id '{response_id[:100]}' not found.", "invalid_request_error", param)
+        try:
+            return self.responses_store.get(response_id)
+        except APIError as exc:
+            exc.param = param
+            raise
+
+    def _keep(self, body: ResponsesRequest, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        if self.responses_store is not None and body.store:
+            self.responses_store.put(response, messages + output_messages(response))
+
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, raw: Request) -> Response:
+        """A response to ``input`` (after ``previous_response_id``'s conversation), as
+        the engine's chat answer."""
+        self._check_key(raw)
+        handle = self._engine(body.model)
+        history = self._stored(body.previous_response_id, "previous_response_id")[1] \
+            if body.previous_response_id is not None else []
+        try:
+            chat_json = to_chat(body, history)
+            chat = ChatCompletionRequest.model_validate(chat_json)
+        except (ValueError, ValidationError) as exc:
+            raise bad_request(exc) from None
+        shell = ResponseShell(body, body.model or next(iter(self.engines)))
+        stream, head = await self._open(handle, "chat", chat, raw.headers.get("x-request-id"))
+        if not head.stream:
+            _cancel(stream)
+            if head.status != 200:
+                return _json(head)
+            response = response_object(shell, head.body)
+            self._keep(body, response, chat_json["messages"])
+            return JSONResponse(response)
+        return StreamingResponse(self._response_events(stream, shell, body, chat_json["messages"]),
+                                 media_type="text/event-stream")
+
+    async def _response_events(self, stream: Any, shell: ResponseShell, body: ResponsesRequest,
+                               messages: list[dict[str, Any]]) -> AsyncIterator[str]:
+        """The chat stream's chunks as the Responses API's events; a stream that fails
+        (an error event, the engine replica gone) ends with ``response.failed``."""
+        events = ResponseEvents(shell)
+        for event in events.start():
+            yield event
+        pending = ""
+        try:
+            async for text in stream:
+                chunks, pending = chat_events(text, pending)
+                for chunk in chunks:
+                    if chunk == "[DONE]":
+                        continue
+                    if "error" in chunk:
+                        for event in events.error(chunk):
+                            yield event
+                        return
+                    for event in events.chunk(chunk):
+                        yield event
+        except ENGINE_GONE as exc:
+            for event in events.error(self._unavailable(exc).body()):
+                yield event
+            return
+        finally:
+            _cancel(stream)  # the client left (or the stream ended): the engine stops
+        done, response = events.finish()
+        self._keep(body, response, messages)
+        for event in done:
+            yield event
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, raw: Request) -> JSONResponse:
+        self._check_key(raw)
+        return JSONResponse(self._stored(response_id)[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, raw: Request) -> JSONResponse:
+        self._check_key(raw)
+        self._stored(response_id)
+        self.responses_store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})

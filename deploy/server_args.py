@@ -69,6 +69,13 @@ class ServerArgs(BaseModel):
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": leave the tools out of the prompt
     max_tools: int = DEFAULT_MAX_TOOLS  # tools in one request, at most
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    #: keep Responses API responses for previous_response_id and GET /v1/responses/{id}
+    #: (off by default, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE): in each ingress
+    #: replica's memory, at most responses_store_max_entries of them (the oldest go
+    #: first), none kept longer than responses_store_max_age_s
+    enable_responses_store: bool = False
+    responses_store_max_entries: int = 10_000
+    responses_store_max_age_s: float = 3600.0
     #: a file each replica (ingress and engine) appends one JSON line per request to:
     #: where its time to first token went (deploy/timeline.py); None: off
     request_timeline: str | None = None
@@ -76,6 +83,12 @@ class ServerArgs(BaseModel):
     #: gRPC hop and one process fewer per request; only with one engine replica that
     #: does not autoscale. While that replica is replaced, nothing answers HTTP
     colocate: bool = False
+
+    def responses_store(self) -> dict[str, Any] | None:
+        """The ingress's Responses API store settings (None: no store)."""
+        if not self.enable_responses_store:
+            return None
+        return {"max_entries": self.responses_store_max_entries, "max_age_s": self.responses_store_max_age_s}
 
     def model_id(self) -> str:
         """The name clients send as ``model``: ``served_model_name``, else the model
@@ -88,6 +101,8 @@ class ServerArgs(BaseModel):
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (as vLLM's --enable-auto-tool-choice)")
+        if self.responses_store_max_entries < 1 or self.responses_store_max_age_s <= 0:
+            raise ValueError("responses_store_max_entries must be at least 1 and responses_store_max_age_s above 0")
         if self.max_tools < 1:
             raise ValueError(f"max_tools must be at least 1, got {self.max_tools}")
         if self.num_replicas < 1:

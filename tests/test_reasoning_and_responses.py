@@ -1,7 +1,9 @@
-"""A reasoning parser end to end: the chat endpoint's answer and stream shapes (``reasoning``
-beside ``content``, as vLLM 0.32 sends them), tools parsed from the answer only,
-``include_reasoning``, the thinking budget counting between the parser's markers, and
-``LLM.chat``'s split. The tiny random model never closes its reasoning by itself: a
+"""A reasoning parser and the Responses API end to end (one server: the tiny model with
+``deepseek_r1`` and the responses store on): the chat endpoint's answer and stream
+shapes (``reasoning`` beside ``content``, as vLLM 0.32 sends them), tools parsed from
+the answer only, ``include_reasoning``, the thinking budget counting between the
+parser's markers, ``LLM.chat``'s split; ``/v1/responses`` through the ``openai``
+client (whole, streamed, function calls, ``previous_response_id``, the store's bound). The tiny random model never closes its reasoning by itself: a
 thinking budget forces ``</think>`` after a few tokens, so the texts have both parts;
 the reference for each split is the tokens themselves (the budget's tokens decoded)."""
 
@@ -59,6 +61,7 @@ def server(ray_local, tiny_model_path):
     with served({
         "model": tiny_model_path, "served_model_name": "tiny", "chat_template": R1_TEMPLATE,
         "engine": {"max_num_seqs": 8, "max_model_len": 256, "worker_num_cpus": 1, "reasoning_parser": "deepseek_r1"},
+        "enable_responses_store": True, "responses_store_max_entries": 3,
     }, "reasoning") as url:
         yield url
 
@@ -125,6 +128,97 @@ def test_reasoning_fed_back_in_a_later_turn_is_accepted(client):
                {"role": "user", "content": "and 3 + 3?"}]
     r = client.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"
+
+
+# -- the Responses API ---------------------------------------------------------------------
+
+RESPOND = dict(model="tiny", input="What is 2 + 2?", max_output_tokens=12, temperature=0,
+               extra_body={"ignore_eos": True, "thinking_token_budget": BUDGET})
+
+
+def test_a_response_has_a_reasoning_item_then_the_message(client, offline):
+    c = offline[0]
+    r = client.responses.create(**RESPOND)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == c.reasoning
+    assert r.output_text == c.content
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 12 and r.usage.output_tokens_details.reasoning_tokens > 0
+    assert client.responses.retrieve(r.id).output_text == r.output_text  # stored
+
+
+def test_a_streamed_response_sends_typed_events_adding_up_to_the_whole(client, offline):
+    c = offline[0]
+    with client.responses.stream(**RESPOND) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == c.reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == c.content
+    # each item is added, streamed and done before the next is added
+    added = [i for i, k in enumerate(kinds) if k == "response.output_item.added"]
+    done = [i for i, k in enumerate(kinds) if k == "response.output_item.done"]
+    assert len(added) == len(done) == 2 and added[0] < done[0] < added[1] < done[1]
+    assert final.output_text == c.content and final.output[0].content[0].text == c.reasoning
+
+
+def test_a_named_function_is_a_function_call_item_with_json_arguments(client):
+    tools = [{"type": "function", "name": "get_weather", "description": "the weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    r = client.responses.create(model="tiny", input="Weather in Paris?", tools=tools, max_output_tokens=40,
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                extra_body={"thinking_token_budget": BUDGET})
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    if r.status == "completed":  # the grammar closed the object within the budget
+        assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    # the call's result fed back continues the conversation
+    follow = client.responses.create(
+        model="tiny", previous_response_id=r.id, max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert follow.previous_response_id == r.id and follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_previous_response_id_continues_and_the_store_is_bounded(client):
+    first = client.responses.create(model="tiny", input="Remember 7.", max_output_tokens=4, instructions="Be brief.")
+    second = client.responses.create(model="tiny", input="Which number?", max_output_tokens=4,
+                                     previous_response_id=first.id)
+    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn is in the prompt
+    for _ in range(3):  # the store keeps 3: the first goes
+        client.responses.create(model="tiny", input="x", max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="again", previous_response_id=first.id)
+
+
+def test_delete_and_store_false(client):
+    kept = client.responses.create(model="tiny", input="x", max_output_tokens=1)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    unkept = client.responses.create(model="tiny", input="x", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0].type"),
+    ({"background": True}, "background"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"input": ""}, "input"),
+])
+def test_what_the_responses_api_cannot_do_is_a_400_naming_the_field(server, fields, param):
+    r = httpx.post(f"{server}/v1/responses", json={"model": "tiny", "input": "x", **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
 
 
 # -- the endpoint's builders on given model text (a Qwen3 answer with a tool call) ----------
