@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 from ray.serve.config import AutoscalingConfig
 
-from deploy.openai.tool_parsers import TOOL_PARSERS
+from deploy.openai.tool_parser_names import TOOL_PARSERS
 from deploy.openai.tools import DEFAULT_MAX_TOOLS
 from deploy.request_router import check_router_kwargs
 from worker import DEFAULT_MODEL_NAME
@@ -64,7 +64,9 @@ class ServerArgs(BaseModel):
     #: match_rate_threshold, min_match_chars, eviction_threshold_chars, ...
     request_router_kwargs: dict[str, Any] = {}
     # -- tools and structured outputs (vLLM's flag names) --
-    tool_call_parser: str | None = None  # the model's tool call format for tool_choice "auto": hermes, llama3_json
+    #: the model's tool call format for tool_choice "auto": hermes, llama3_json, pythonic,
+    #: llama4_pythonic, mistral, qwen3_xml (qwen3_coder)
+    tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # allow tool_choice "auto" (needs tool_call_parser), as vLLM
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": leave the tools out of the prompt
     max_tools: int = DEFAULT_MAX_TOOLS  # tools in one request, at most

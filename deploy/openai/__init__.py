@@ -11,4 +11,8 @@ Modules:
   structured          response_format / structured_outputs / guided_* -> one output constraint
   tools               tool_choice and tools -> ToolPlan: constraint, template tools, parsers
   tool_parsers        tool calls out of generated text, whole or streamed (one parser per choice)
+  trailing_call_parsers  the formats whose calls run to the end of the output (pythonic, mistral)
+  xml_call_parser     Qwen3-Coder's XML calls, values typed by the tools' schemas
+  tool_parser_names   every --tool-call-parser name and its parser
+  responses_api       /v1/responses as an adapter over the chat endpoint, its events and store
 """

@@ -28,6 +28,7 @@ from cluster.reasoning_parsers import ReasoningParserSpec, reasoning_parser
 from deploy.openai.errors import RequestError, not_supported
 from deploy.openai.structured import Constraint, request_constraint
 from deploy.openai.text_validation import TextOnlyModel, printable
+from deploy.openai.tool_parser_names import TOOL_PARSERS
 from deploy.openai.tools import ApiOptions, ToolPlan, parse_arguments
 from sampler.params import RequestOutputKind, SamplingParams
 
@@ -510,8 +511,8 @@ class ChatCompletionRequest(ChatFields, SamplingFields):
         params: dict[str, Any] = {}
         if spec is not None and self._constraint is not None:  # the answer is constrained, not the reasoning
             params["structured_outputs"] = {**self._constraint.spec, "after_reasoning": True}
-        # vLLM's hermes parser keeps special tokens: some models' <tool_call> is one
-        if (self.tool_plan.mode == "auto" and self.tool_plan.parser == "hermes") or (
+        plan = self.tool_plan
+        if (plan.mode == "auto" and plan.parser is not None and TOOL_PARSERS[plan.parser].KEEPS_SPECIAL_TOKENS) or (
                 spec is not None and options.reasoning_special_tokens):
             params["skip_special_tokens"] = False
         return params

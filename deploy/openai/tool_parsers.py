@@ -11,7 +11,9 @@ wherever the text was split.
   JSON array of ``{"name", "parameters"}`` objects (vLLM's format).
 - ``HermesToolParser`` (``--tool-call-parser hermes``) and ``Llama3JsonToolParser``
   (``llama3_json``): ``tool_choice: "auto"``, the model's own format, which nothing
-  constrained, so anything malformed stays content.
+  constrained, so anything malformed stays content. The formats whose calls run to the
+  end of the output are in ``trailing_call_parsers``; every name in
+  ``tool_parser_names``.
 
 Named and required calls stream as vLLM streams them: the first delta of a call
 carries its id, type and name (and any arguments so far), later ones argument text as
@@ -53,7 +55,7 @@ class ToolCall:
 Emitted = tuple[str, list[ToolCallDelta]]
 
 
-def _overlap(text: str, marker: str) -> int:
+def marker_overlap(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``marker``
     (text that may yet become the marker, held back while streaming)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -69,11 +71,17 @@ class ToolCallParser:
 
     #: whether calls after the first are dropped (``parallel_tool_calls: false``)
     single_call: bool = False
+    #: each tool's parameters schema, by function name (formats whose arguments are
+    #: text take their types from it)
+    schemas: dict[str, Any] = field(default_factory=dict)
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     finished: bool = False
 
     name: ClassVar[str] = "plain"
+    #: its markers may be special tokens, which the text shows only with
+    #: ``skip_special_tokens`` off (vLLM turns it off for these parsers too)
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = False
 
     def feed(self, text: str) -> Emitted:
         raise NotImplementedError
@@ -287,6 +295,7 @@ class HermesToolParser(ToolCallParser):
     its text exactly."""
 
     name: ClassVar[str] = "hermes"
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True  # some models' <tool_call> is one
     START: ClassVar[str] = "<tool_call>"
     END: ClassVar[str] = "</tool_call>"
 
@@ -312,9 +321,13 @@ class HermesToolParser(ToolCallParser):
         self._had_content = self._had_content or bool(body)
         return body
 
+    def _parse_body(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments JSON) of what stood between the tags, or None."""
+        return parse_call_object(body.strip(), ("arguments", "parameters"))
+
     def _call(self, body: str, closed: bool) -> tuple[str, list[ToolCallDelta]]:
         """A call's deltas, or (its raw text as content, []) when it is malformed."""
-        parsed = _parse_call(body.strip(), ("arguments", "parameters"))
+        parsed = self._parse_body(body)
         if parsed is None:
             self._pending_ws = self._ws_before_call
             raw = self.START + body + (self.END if closed else "")
@@ -332,7 +345,7 @@ class HermesToolParser(ToolCallParser):
             if not self._in_call:
                 start = self._buf.find(self.START)
                 if start < 0:
-                    keep = _overlap(self._buf, self.START)
+                    keep = marker_overlap(self._buf, self.START)
                     content += self._content(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
@@ -417,7 +430,7 @@ class Llama3JsonToolParser(ToolCallParser):
                 obj, end = decoder.raw_decode(body, pos)
             except (ValueError, RecursionError):
                 break
-            parsed = _parse_call(obj, ("parameters", "arguments"))
+            parsed = parse_call_object(obj, ("parameters", "arguments"))
             if parsed is None:
                 break
             deltas.append(ToolCallDelta(len(deltas), parsed[1], new_tool_call_id(), parsed[0]))
@@ -427,7 +440,7 @@ class Llama3JsonToolParser(ToolCallParser):
         return self._emit(body[pos:].strip(), deltas)
 
 
-def _parse_call(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
+def parse_call_object(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call object (or its JSON text), or None
     when it is not one: a string ``name`` and an object under one of
     ``argument_keys`` (a JSON string holding an object is taken as it is)."""
@@ -453,10 +466,3 @@ def _parse_call(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] |
         return value["name"], json.dumps(arguments, ensure_ascii=False)
     except (ValueError, RecursionError):
         return None
-
-
-#: ``--tool-call-parser`` names (vLLM's) -> parser classes.
-TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
-    "hermes": HermesToolParser,
-    "llama3_json": Llama3JsonToolParser,
-}

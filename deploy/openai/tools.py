@@ -28,13 +28,8 @@ from typing import Any
 
 from deploy.openai.errors import RequestError
 from deploy.openai.structured import Constraint, check_json_schema, with_defaults
-from deploy.openai.tool_parsers import (
-    TOOL_PARSERS,
-    NamedFunctionParser,
-    PlainParser,
-    RequiredCallsParser,
-    ToolCallParser,
-)
+from deploy.openai.tool_parser_names import TOOL_PARSERS
+from deploy.openai.tool_parsers import NamedFunctionParser, PlainParser, RequiredCallsParser, ToolCallParser
 
 #: Default bound on the tools of one request (``ServerArgs.max_tools``).
 DEFAULT_MAX_TOOLS = 128
@@ -216,7 +211,8 @@ class ToolPlan:
         if self.mode == "required":
             return RequiredCallsParser(single_call=self.single_call)
         if self.mode == "auto":
-            return TOOL_PARSERS[self.parser](single_call=self.single_call)
+            schemas = {t.function.name: t.function.parameters for t in self.tools or ()}
+            return TOOL_PARSERS[self.parser](single_call=self.single_call, schemas=schemas)
         return PlainParser()
 
     @property

@@ -1,0 +1,218 @@
+"""Tool call formats whose calls run to the end of the output, so a stream holds them
+until it ends: ``PythonicToolParser`` (``pythonic``: Llama 3.2 / ToolACE's Python list of
+calls; ``llama4_pythonic``: the same between Llama 4's python tags) and
+``MistralToolParser`` (``mistral``: ``[TOOL_CALLS]`` and a JSON array, or
+``name[ARGS]{...}`` per call from tokenizer v11). Text before them streams as content.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from deploy.openai.tool_parsers import (
+    Emitted,
+    ToolCallDelta,
+    ToolCallParser,
+    marker_overlap,
+    new_tool_call_id,
+    parse_call_object,
+)
+
+
+class _NotLiteral(ValueError):
+    """A pythonic call argument that is not a JSON value."""
+
+
+def _literal(node: ast.expr) -> Any:
+    """A pythonic call argument as its JSON value: constants, lists, dicts with
+    constant keys, and the JSON names some models write (``null``, ``true``, ``false``)."""
+    if isinstance(node, ast.Constant):
+        if node.value is None or isinstance(node.value, (str, int, float)):
+            return node.value
+        raise _NotLiteral(type(node.value).__name__)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+            and isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
+        return -node.operand.value
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(k, ast.Constant) for k in node.keys):
+            raise _NotLiteral("dict keys")
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}  # type: ignore[union-attr]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Name) and node.id in ("null", "true", "false"):
+        return {"null": None, "true": True, "false": False}[node.id]
+    raise _NotLiteral(type(node).__name__)
+
+
+def _dotted(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        inner = _dotted(func.value)
+        return None if inner is None else f"{inner}.{func.attr}"
+    return None
+
+
+def parse_pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """``[f(a=1), g.h(b="x")]`` as (name, arguments JSON) pairs; None unless the whole
+    text is one such list (keyword arguments with JSON values only, as vLLM's pattern)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for call in tree.body.elts:
+        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+            return None
+        name = _dotted(call.func)
+        if name is None:
+            return None
+        try:
+            arguments = {k.arg: _literal(k.value) for k in call.keywords}
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        except (_NotLiteral, ValueError, RecursionError):
+            return None
+    return calls
+
+
+@dataclass
+class PythonicToolParser(ToolCallParser):
+    """Llama 3.2 / Llama 4 / ToolACE pythonic calls: the whole output is a Python list
+    of keyword-argument calls, ``[get_weather(city="Paris"), f(x=1)]``. An output that
+    starts with ``[`` is held until it ends and then parsed (arguments as JSON); one
+    that is not such a list, or starts otherwise, is content."""
+
+    name: ClassVar[str] = "pythonic"
+    #: Llama 4 wraps the list in these (``llama4_pythonic``)
+    WRAP: ClassVar[tuple[str, str] | None] = None
+
+    _buf: str = ""
+    _mode: str = "deciding"  # then "content" or "calls"
+
+    def _starts(self) -> tuple[str, ...]:
+        return ("[",) if self.WRAP is None else ("[", self.WRAP[0])
+
+    def feed(self, text: str) -> Emitted:
+        if self._mode == "content":
+            return self._emit(text, [])
+        self._buf += text
+        if self._mode == "deciding":
+            if any(start.startswith(self._buf) for start in self._starts()):
+                return self._emit("", [])  # too short to tell
+            if any(self._buf.startswith(start) for start in self._starts()):
+                self._mode = "calls"
+                return self._emit("", [])
+            self._mode, out, self._buf = "content", self._buf, ""
+            return self._emit(out, [])
+        return self._emit("", [])
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        text, self._buf = self._buf, ""
+        if self._mode != "calls":
+            return self._emit(text, [])
+        body = text
+        if self.WRAP is not None and body.startswith(self.WRAP[0]):
+            body = body[len(self.WRAP[0]):].replace(self.WRAP[1], "")
+        calls = parse_pythonic_calls(body)
+        if calls is None:
+            return self._emit(text, [])
+        return self._emit("", [ToolCallDelta(i, arguments, new_tool_call_id(), name)
+                               for i, (name, arguments) in enumerate(calls)])
+
+
+def mistral_tool_call_id() -> str:
+    """Mistral's ids: nine letters and digits (its chat templates refuse others when the
+    call comes back in the next turn)."""
+    return uuid.uuid4().hex[:9]
+
+
+@dataclass
+class MistralToolParser(ToolCallParser):
+    """Mistral: text, then ``[TOOL_CALLS]`` and the calls: a JSON array of
+    ``{"name", "arguments"}`` (tokenizers before v11: Mistral 7B v0.3, Nemo), or
+    ``name[ARGS]{...}`` (v11+: Small 3, Magistral), one ``[TOOL_CALLS]`` per call.
+    Text streams as content until the marker could begin; the calls are held until the
+    output ends, then parsed. Calls that do not parse leave the whole text as content
+    (vLLM keeps only what followed the marker). Ids are Mistral's nine characters."""
+
+    name: ClassVar[str] = "mistral"
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+    MARK: ClassVar[str] = "[TOOL_CALLS]"
+    ARGS: ClassVar[str] = "[ARGS]"
+
+    _buf: str = ""
+    _calling: bool = False
+    _before: str = ""  # the content before the marker
+
+    def feed(self, text: str) -> Emitted:
+        self._buf += text
+        if self._calling:
+            return self._emit("", [])
+        at = self._buf.find(self.MARK)
+        if at < 0:
+            keep = marker_overlap(self._buf, self.MARK)
+            out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            self._before += out
+            return self._emit(out, [])
+        out, self._buf, self._calling = self._buf[:at], self._buf[at:], True
+        self._before += out
+        return self._emit(out, [])
+
+    def _calls(self, tail: str) -> list[tuple[str, str]] | None:
+        segments = [s.strip() for s in tail.split(self.MARK) if s.strip()]
+        if not segments:
+            return None
+        if segments[0].startswith("["):  # before v11: one JSON array
+            try:
+                parsed, _ = json.JSONDecoder().raw_decode(segments[0])
+            except (ValueError, RecursionError):
+                return None
+            items = parsed if isinstance(parsed, list) else [parsed]
+            calls = [parse_call_object(item, ("arguments", "parameters")) for item in items]
+            return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
+        calls = []
+        for segment in segments:  # v11+: name[ARGS]{...}, or name{...}
+            name, sep, arguments = segment.partition(self.ARGS)
+            if not sep:
+                brace = segment.find("{")
+                if brace < 0:
+                    return None
+                name, arguments = segment[:brace], segment[brace:]
+            try:
+                value, _ = json.JSONDecoder().raw_decode(arguments.strip())
+            except (ValueError, RecursionError):
+                return None
+            call = parse_call_object({"name": name.strip(), "arguments": value}, ("arguments",))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        text, self._buf = self._buf, ""
+        if not self._calling:
+            return self._emit(text, [])
+        calls = self._calls(text[len(self.MARK):])
+        if calls is None:
+            return self._emit(text, [])
+        if self.content.strip() == "":
+            self.content = ""  # only whitespace before the calls: no content (vLLM)
+        return self._emit("", [ToolCallDelta(i, arguments, mistral_tool_call_id(), name)
+                               for i, (name, arguments) in enumerate(calls)])
+
+
+@dataclass
+class Llama4PythonicToolParser(PythonicToolParser):
+    """``pythonic``, the list optionally between ``<|python_start|>`` and ``<|python_end|>``."""
+
+    name: ClassVar[str] = "llama4_pythonic"
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+    WRAP: ClassVar[tuple[str, str] | None] = ("<|python_start|>", "<|python_end|>")
