@@ -205,7 +205,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the model's tool call format, parsed for tool_choice \"auto\": hermes (Hermes 2 Pro / 3, "
                         "Qwen 2.5 / 3, <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3 JSON calls), "
                         "pythonic / llama4_pythonic (Llama 3.2 / 4: [f(a=1)]), mistral ([TOOL_CALLS]), "
-                        "qwen3_xml / qwen3_coder (Qwen3-Coder's <function=...> XML)")
+                        "qwen3_xml / qwen3_coder (Qwen3-Coder's <function=...> XML), deepseek_v3, granite, "
+                        "internlm")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice \"auto\" (the default when a request has tools); needs --tool-call-parser")
     t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",

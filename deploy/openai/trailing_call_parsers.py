@@ -2,13 +2,16 @@
 until it ends: ``PythonicToolParser`` (``pythonic``: Llama 3.2 / ToolACE's Python list of
 calls; ``llama4_pythonic``: the same between Llama 4's python tags) and
 ``MistralToolParser`` (``mistral``: ``[TOOL_CALLS]`` and a JSON array, or
-``name[ARGS]{...}`` per call from tokenizer v11). Text before them streams as content.
+``name[ARGS]{...}`` per call from tokenizer v11), ``DeepSeekV3ToolParser``
+(``deepseek_v3``), ``GraniteToolParser`` (``granite``) and ``InternLMToolParser``
+(``internlm``). Text before them streams as content.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -216,3 +219,107 @@ class Llama4PythonicToolParser(PythonicToolParser):
     name: ClassVar[str] = "llama4_pythonic"
     KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
     WRAP: ClassVar[tuple[str, str] | None] = ("<|python_start|>", "<|python_end|>")
+
+
+@dataclass
+class _HeldAfterMarker(ToolCallParser):
+    """Text streams as content until one of ``MARKS`` could begin; from the marker on,
+    the output is held until it ends and then parsed by ``_parse`` (None: all of it
+    stays content)."""
+
+    MARKS: ClassVar[tuple[str, ...]] = ()
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+
+    _buf: str = ""
+    _held: bool = False
+
+    def feed(self, text: str) -> Emitted:
+        self._buf += text
+        if self._held:
+            return self._emit("", [])
+        found = [(at, mark) for mark in self.MARKS if (at := self._buf.find(mark)) >= 0]
+        if found:
+            at = min(found)[0]
+            out, self._buf, self._held = self._buf[:at], self._buf[at:], True
+            return self._emit(out, [])
+        keep = max(marker_overlap(self._buf, mark) for mark in self.MARKS)
+        out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return self._emit(out, [])
+
+    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
+        """(content after the calls, [(name, arguments JSON)]) of the held text."""
+        raise NotImplementedError
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        text, self._buf = self._buf, ""
+        parsed = self._parse(text) if self._held else None
+        if not parsed or not parsed[1]:
+            return self._emit(text, [])
+        after, calls = parsed
+        return self._emit(after, [ToolCallDelta(i, arguments, new_tool_call_id(), name)
+                                  for i, (name, arguments) in enumerate(calls)])
+
+
+_DEEPSEEK_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?P<kind>[^<]*)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n(?P<arguments>.*?)\n```"
+    r"<｜tool▁call▁end｜>", re.DOTALL)
+
+
+@dataclass
+class DeepSeekV3ToolParser(_HeldAfterMarker):
+    """DeepSeek V3 / R1: ``<｜tool▁calls▁begin｜>`` then per call
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` and its arguments in a json
+    code block, ``<｜tool▁call▁end｜>``. Arguments may span lines (vLLM's pattern
+    takes one-line arguments only)."""
+
+    name: ClassVar[str] = "deepseek_v3"
+    MARKS: ClassVar[tuple[str, ...]] = ("<｜tool▁calls▁begin｜>",)
+
+    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
+        calls = []
+        for match in _DEEPSEEK_CALL.finditer(held):
+            call = parse_call_object({"name": match["name"].strip(), "arguments": match["arguments"].strip()},
+                                     ("arguments",))
+            if call is None:
+                return None
+            calls.append(call)
+        return "", calls
+
+
+@dataclass
+class GraniteToolParser(_HeldAfterMarker):
+    """Granite 3.0 / 3.1: ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>``
+    (3.1, text), then a JSON array of ``{"name", "arguments"}``; prose after the array
+    is content too."""
+
+    name: ClassVar[str] = "granite"
+    MARKS: ClassVar[tuple[str, ...]] = ("<|tool_call|>", "<tool_call>")
+
+    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
+        mark = next(m for m in self.MARKS if held.startswith(m))
+        body = held[len(mark):].lstrip()
+        try:
+            parsed, end = json.JSONDecoder().raw_decode(body)
+        except (ValueError, RecursionError):
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = [parse_call_object(item, ("arguments", "parameters")) for item in items]
+        if not calls or any(c is None for c in calls):
+            return None
+        return body[end:].strip(), calls  # type: ignore[return-value]
+
+
+@dataclass
+class InternLMToolParser(_HeldAfterMarker):
+    """InternLM 2 / 2.5: ``<|action_start|><|plugin|>`` then one JSON object
+    ``{"name", "parameters"}`` (or ``"arguments"``) up to ``<|action_end|>``."""
+
+    name: ClassVar[str] = "internlm"
+    MARKS: ClassVar[tuple[str, ...]] = ("<|action_start|><|plugin|>",)
+
+    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
+        action = held[len(self.MARKS[0]):].split("<|action_end|>")[0]
+        brace = action.find("{")
+        call = parse_call_object(action[brace:].strip(), ("parameters", "arguments")) if brace >= 0 else None
+        return None if call is None else ("", [call])

@@ -60,6 +60,20 @@ CASES: list[tuple[str, str]] = [
     ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\nnot a number\n</parameter>\n"
                     "</function>\n</tool_call>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek_v3", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+                    '```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek_v3", "No tools."),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    ("granite", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'),
+    ("granite", "Plain answer."),
+    ("internlm", 'Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+                 "<|action_end|>"),
+    ("internlm", '<|action_start|><|plugin|>{"name": "f", "arguments": {}}<|action_end|>'),
+    ("internlm", "Plain answer."),
 ]
 
 #: the tools every case is parsed with (the XML format types its values by them)
@@ -94,7 +108,9 @@ def tokenizer_dir(folder: Path, args_token: bool = True) -> Path:
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([text for _, text in CASES] * 4, vocab_size=600, min_frequency=1, show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    special = ["<|python_start|>", "<|python_end|>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]"]
+    special = ["<|python_start|>", "<|python_end|>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|tool_call|>",
+               "<|action_start|>", "<|action_end|>", "<|plugin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+               "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"]
     tok.add_special_tokens({"additional_special_tokens": special + (["[ARGS]"] if args_token else [])})
     tok.save_pretrained(folder)
     return folder
