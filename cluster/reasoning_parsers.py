@@ -29,11 +29,13 @@ text must keep them, ``ReasoningParserSpec.needs_special_tokens``):
   reasoning until "Here's my response:" (or "Here is ...").
 - ``openai_gptoss``: the harmony format: the ``analysis`` channel's messages are the
   reasoning, ``final``'s (and ``commentary``'s) the content; text outside any message
-  is content.
+  is content; a tool call (a message to a recipient) passes into the content as
+  written, for the ``openai`` tool parser.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -148,12 +150,17 @@ class HarmonySplit:
     """gpt-oss's harmony messages: ``<|channel|>NAME ...<|message|>TEXT<|end|>``
     (or ``<|return|>`` / ``<|call|>``), each after ``<|start|>ROLE`` but the first (the
     prompt ends with ``<|start|>assistant``). ``analysis`` is reasoning, ``final`` and
-    ``commentary`` addressed to no one are content, messages to a recipient (tool calls,
-    the tool parser's) and other channels are neither; separate messages of one kind
-    are joined by a newline (as vLLM's harmony parser). Text outside any message (a
-    model not writing harmony) is content."""
+    ``commentary`` addressed to no one are content, other channels neither; separate
+    messages of one kind are joined by a newline (as vLLM's harmony parser). A message
+    to a recipient (a tool call) is recorded in ``calls`` (recipient, content type,
+    text) and, with ``raw_calls``, passed into the content as it was written, for the
+    ``openai`` tool parser after this split. Text outside any message (a model not
+    writing harmony) is content."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw_calls: bool = True) -> None:
+        self.raw_calls = raw_calls
+        self.calls: list[tuple[str, str, str]] = []
+        self._call: list[str] | None = None  # the recipient message being read
         self._pending = ""
         self._where = "outside"  # "outside", "header", "body"
         self._header = ""
@@ -187,17 +194,32 @@ class HarmonySplit:
                 self._where, self._body_begun = "body", False
                 self._kind = self._kind_of(self._header)
                 self._seen_analysis |= self._kind == "reasoning"
+                if self._kind == "call":
+                    self._call = []
+                    if self.raw_calls:
+                        out["content"].append(self._header + token)
             else:  # <|end|>, <|return|>, <|call|>
+                self._end_call(out, token)
                 self._where = "outside"
         return "".join(out["reasoning"]), "".join(out["content"])
+
+    def _end_call(self, out: dict[str, list[str]], token: str = "") -> None:
+        if self._where != "body" or self._kind != "call" or self._call is None:
+            return
+        recipient = re.search(r"to=([^\s<]+)", self._header)
+        constrain = self._header.partition("<|constrain|>")[2].strip()
+        self.calls.append((recipient.group(1) if recipient else "", constrain, "".join(self._call)))
+        self._call = None
+        if self.raw_calls and token:
+            out["content"].append(token)
 
     @staticmethod
     def _kind_of(header: str) -> str:
         channel = ""
         if "<|channel|>" in header:
             channel = header.rpartition("<|channel|>")[2].split("<|constrain|>")[0].strip().split(" ")[0]
-        if " to=" in header or header.startswith("to="):
-            return ""  # a message to a recipient: a tool call
+        if re.search(r"(^|\s)to=", header.replace("<|", " <|")):
+            return "call"  # a message to a recipient: a tool call
         return {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(channel, "")
 
     def _take(self, text: str, out: dict[str, list[str]]) -> None:
@@ -207,6 +229,12 @@ class HarmonySplit:
             self._header += text
             return
         kind = self._kind if self._where == "body" else "content"
+        if kind == "call":
+            if self._call is not None:
+                self._call.append(text)
+            if self.raw_calls:
+                out["content"].append(text)
+            return
         if not kind:
             return
         if self._where == "body" and not self._body_begun:
@@ -220,6 +248,7 @@ class HarmonySplit:
         rest, self._pending = self._pending, ""
         out: dict[str, list[str]] = {"reasoning": [], "content": []}
         self._take(rest, out)
+        self._end_call(out)
         return "".join(out["reasoning"]), "".join(out["content"])
 
 

@@ -206,7 +206,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "Qwen 2.5 / 3, <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3 JSON calls), "
                         "pythonic / llama4_pythonic (Llama 3.2 / 4: [f(a=1)]), mistral ([TOOL_CALLS]), "
                         "qwen3_xml / qwen3_coder (Qwen3-Coder's <function=...> XML), deepseek_v3, granite, "
-                        "internlm")
+                        "internlm, openai (gpt-oss harmony)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice \"auto\" (the default when a request has tools); needs --tool-call-parser")
     t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",

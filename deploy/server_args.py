@@ -65,7 +65,7 @@ class ServerArgs(BaseModel):
     request_router_kwargs: dict[str, Any] = {}
     # -- tools and structured outputs (vLLM's flag names) --
     #: the model's tool call format for tool_choice "auto": hermes, llama3_json, pythonic,
-    #: llama4_pythonic, mistral, qwen3_xml (qwen3_coder), deepseek_v3, granite, internlm
+    #: llama4_pythonic, mistral, qwen3_xml (qwen3_coder), deepseek_v3, granite, internlm, openai
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # allow tool_choice "auto" (needs tool_call_parser), as vLLM
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": leave the tools out of the prompt

@@ -110,3 +110,48 @@ def test_the_chat_endpoint_gives_the_xml_parser_the_request_tools_schemas():
     message = chat_response("id", "m", out, body, lambda t, s: s or "").model_dump(exclude_unset=True)["choices"][0]
     assert message["finish_reason"] == "tool_calls" and message["message"]["reasoning"] == "plan"
     assert json.loads(message["message"]["tool_calls"][0]["function"]["arguments"]) == {"days": 3}
+
+
+GPT_OSS = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_gpt_oss_reasoning_then_its_call_whole_and_streamed(size):
+    """The ``openai_gptoss`` reasoning split passes the call message on as written; the
+    ``openai`` tool parser makes it a call; streamed in pieces of any size, the same."""
+    from cluster.outputs import CompletionOutput, RequestOutput
+    from deploy.openai.protocol import ChatCompletionRequest
+    from deploy.openai.serving_chat import ChatChunks, chat_response
+    from deploy.openai.tools import ApiOptions
+
+    options = ApiOptions(tool_call_parser="openai", enable_auto_tool_choice=True, reasoning_parser="openai_gptoss")
+
+    def body(**fields):
+        b = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "q"}], "tools": [
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}], **fields})
+        b.sampling_params(options)
+        return b
+
+    def output(text, finished=True):
+        return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, [5], None, None,
+                                                                     finish_reason="stop" if finished else None)],
+                             finished)
+
+    whole = chat_response("id", "m", output(GPT_OSS), body(), lambda t, s: s or "").model_dump(exclude_unset=True)
+    message = whole["choices"][0]["message"]
+    assert message["reasoning"] == "Need the weather." and not message.get("content")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"})]
+    pieces = [GPT_OSS[i:i + size] for i in range(0, len(GPT_OSS), size)]
+    chunks = ChatChunks("id", "m", body(stream=True), lambda t, s: s or "")
+    reasoning, names, arguments = "", [], ""
+    for i, piece in enumerate(pieces):
+        for chunk in chunks.chunks(output(piece, i == len(pieces) - 1)):
+            delta = chunk.model_dump(exclude_unset=True)["choices"][0]["delta"]
+            reasoning += delta.get("reasoning") or ""
+            assert not delta.get("content")
+            for call in delta.get("tool_calls") or []:
+                names += [call["function"]["name"]] if call["function"].get("name") else []
+                arguments += call["function"].get("arguments") or ""
+    assert reasoning == "Need the weather." and names == ["get_weather"] and json.loads(arguments) == {"city": "Paris"}

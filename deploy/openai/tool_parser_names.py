@@ -6,6 +6,7 @@ from deploy.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser, T
 from deploy.openai.trailing_call_parsers import (
     DeepSeekV3ToolParser,
     GraniteToolParser,
+    HarmonyToolParser,
     InternLMToolParser,
     Llama4PythonicToolParser,
     MistralToolParser,
@@ -24,4 +25,5 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "granite": GraniteToolParser,
     "internlm": InternLMToolParser,
+    "openai": HarmonyToolParser,
 }

@@ -3,8 +3,8 @@ until it ends: ``PythonicToolParser`` (``pythonic``: Llama 3.2 / ToolACE's Pytho
 calls; ``llama4_pythonic``: the same between Llama 4's python tags) and
 ``MistralToolParser`` (``mistral``: ``[TOOL_CALLS]`` and a JSON array, or
 ``name[ARGS]{...}`` per call from tokenizer v11), ``DeepSeekV3ToolParser``
-(``deepseek_v3``), ``GraniteToolParser`` (``granite``) and ``InternLMToolParser``
-(``internlm``). Text before them streams as content.
+(``deepseek_v3``), ``GraniteToolParser`` (``granite``), ``InternLMToolParser``
+(``internlm``) and ``HarmonyToolParser`` (``openai``: gpt-oss). Text before them streams as content.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from cluster.reasoning_parsers import HarmonySplit
 from deploy.openai.tool_parsers import (
     Emitted,
     ToolCallDelta,
@@ -229,6 +230,9 @@ class _HeldAfterMarker(ToolCallParser):
 
     MARKS: ClassVar[tuple[str, ...]] = ()
     KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+    #: the held text's parsed content stands even when it holds no call (harmony's
+    #: markers frame every message, not only calls)
+    FRAMES_CONTENT: ClassVar[bool] = False
 
     _buf: str = ""
     _held: bool = False
@@ -254,7 +258,7 @@ class _HeldAfterMarker(ToolCallParser):
         self.finished = True
         text, self._buf = self._buf, ""
         parsed = self._parse(text) if self._held else None
-        if not parsed or not parsed[1]:
+        if parsed is None or not (parsed[1] or self.FRAMES_CONTENT):
             return self._emit(text, [])
         after, calls = parsed
         return self._emit(after, [ToolCallDelta(i, arguments, new_tool_call_id(), name)
@@ -323,3 +327,31 @@ class InternLMToolParser(_HeldAfterMarker):
         brace = action.find("{")
         call = parse_call_object(action[brace:].strip(), ("parameters", "arguments")) if brace >= 0 else None
         return None if call is None else ("", [call])
+
+
+@dataclass
+class HarmonyToolParser(_HeldAfterMarker):
+    """gpt-oss (``openai``): harmony messages addressed to ``functions.NAME``
+    (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``)
+    are calls; ``final`` and ``commentary`` messages to no one are content, ``analysis``
+    is left to the reasoning parser (dropped here), and so are messages to other
+    recipients (built-in tools). Under the ``openai_gptoss`` reasoning parser the
+    calls reach this parser as the model wrote them."""
+
+    name: ClassVar[str] = "openai"
+    MARKS: ClassVar[tuple[str, ...]] = ("<|start|>", "<|channel|>")
+    FRAMES_CONTENT: ClassVar[bool] = True
+
+    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
+        split = HarmonySplit(raw_calls=False)
+        content = split.feed(held)[1] + split.finish()[1]
+        calls = []
+        for recipient, _, body in split.calls:
+            if not recipient.startswith("functions."):
+                continue
+            call = parse_call_object({"name": recipient[len("functions."):], "arguments": body.strip()},
+                                     ("arguments",))
+            if call is None:
+                return None
+            calls.append(call)
+        return content, calls

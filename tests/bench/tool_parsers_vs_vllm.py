@@ -74,6 +74,11 @@ CASES: list[tuple[str, str]] = [
                  "<|action_end|>"),
     ("internlm", '<|action_start|><|plugin|>{"name": "f", "arguments": {}}<|action_end|>'),
     ("internlm", "Plain answer."),
+    ("openai", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'),
+    ("openai", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+               '{"city": "Paris"}<|call|>'),
+    ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4"),
 ]
 
 #: the tools every case is parsed with (the XML format types its values by them)
@@ -90,8 +95,14 @@ VARIANTS = {"mistral_v3": "mistral"}
 
 
 def _ours():
-    """Our parsers (``deploy``'s packages import nothing heavy at their top)."""
+    """Our parsers. ``cluster``'s ``__init__`` imports Ray, which vLLM's venv need not
+    have: its package stands in empty (the reasoning parsers import nothing of it)."""
+    import types
+
     sys.path.insert(0, str(ROOT))
+    package = types.ModuleType("cluster")
+    package.__path__ = [str(ROOT / "cluster")]
+    sys.modules.setdefault("cluster", package)
     from deploy.openai.tool_parser_names import TOOL_PARSERS
 
     return TOOL_PARSERS
@@ -110,10 +121,26 @@ def tokenizer_dir(folder: Path, args_token: bool = True) -> Path:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     special = ["<|python_start|>", "<|python_end|>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|tool_call|>",
                "<|action_start|>", "<|action_end|>", "<|plugin|>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-               "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"]
+               "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<|start|>", "<|channel|>",
+               "<|message|>", "<|constrain|>", "<|end|>", "<|return|>", "<|call|>"]
     tok.add_special_tokens({"additional_special_tokens": special + (["[ARGS]"] if args_token else [])})
     tok.save_pretrained(folder)
     return folder
+
+
+def vllm_harmony(text: str, tok, request) -> tuple[str | None, list]:
+    """gpt-oss: vLLM's ``HarmonyParser`` with its tool parser on the real harmony token
+    ids (no reasoning parser: the analysis is dropped, as ours drops it)."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    from vllm.parser.harmony import HarmonyParser
+    from vllm.tool_parsers.gptoss_tool_parser import GptOssToolParser
+
+    ids = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS).encode(text, allowed_special="all")
+    HarmonyParser.reasoning_parser_cls = None
+    HarmonyParser.tool_parser_cls = GptOssToolParser
+    _, content, calls = HarmonyParser(tok, request.tools).parse(text, request, enable_auto_tools=True,
+                                                               model_output_token_ids=ids)
+    return content, [[c.name, json.loads(c.arguments)] for c in calls or []]
 
 
 def vllm_parse(name: str, text: str, tok) -> tuple[str | None, list]:
@@ -122,6 +149,8 @@ def vllm_parse(name: str, text: str, tok) -> tuple[str | None, list]:
 
     tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in TOOLS.items()]
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], tools=tools)
+    if name == "openai":
+        return vllm_harmony(text, tok, request)
     parser = ToolParserManager.get_tool_parser(name)(tok, request.tools)
     info = parser.extract_tool_calls(text, request)
     calls = [[c.function.name, json.loads(c.function.arguments)] for c in info.tool_calls]
