@@ -173,6 +173,44 @@ def test_hostile_chat_bodies_are_4xx(server, body):
         assert "Conversation must start with a user message" in message
 
 
+RESPONSES_BODIES = [
+    b'{"input": "\\ud800"}',
+    b'{"input": "x", "instructions": "\\udfff"}',
+    b'{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\\ud83d"}]}]}',
+    b'{"input": "x", "temperature": NaN}',
+    b'{"input": "x", "max_output_tokens": 1e30}',
+    b'{"input": [1, 2, 3]}',
+    b'{"input": [{"type": "mystery"}]}',
+    b'{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}',
+    b'{"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}',
+    b'{"input": [{"role": "user", "content": {"nested": "dict"}}]}',
+    b'{"input": "x", "metadata": {"k": [1, 2]}}',
+    b'{"input": "x", "tools": [{"type": "function"}]}',
+    b'{"input": "x", "tools": "all of them"}',
+    b'{"input": "x", "text": {"format": {"type": "json_schema", "schema": "not a schema"}}}',
+    b'{"input": "x", "tool_choice": {"type": "file_search"}}',
+    b'{"input": "x", "previous_response_id": "resp_\\u0000"}',
+    b'{"input": ' + b'[' * 50_000 + b']' * 50_000 + b'}',
+    b'{"input": [' + b','.join([b'{"role": "user", "content": "x"}'] * 20_000) + b']}',
+    b'{"input": []}',
+    b'{}',
+]
+
+
+@pytest.mark.parametrize("body", RESPONSES_BODIES, ids=range(len(RESPONSES_BODIES)))
+def test_hostile_responses_bodies_are_4xx(server, body):
+    r = post_raw(server, "/v1/responses", body)
+    assert 400 <= r.status_code < 500, (body[:80], r.status_code, r.text[:300])
+    assert r.json()["error"]["message"]
+
+
+def test_after_the_hostile_responses_bodies_nothing_was_harmed(server):
+    still_serves(server)
+    assert running(server) == 0
+    r = httpx.post(f"{server}/v1/responses", json={"input": "hello", "max_output_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "response", r.text
+
+
 def test_huge_prompts_are_refused_without_stalling_anyone(server):
     """A 20 MB prompt (and a 20 MB chat message) is refused by its length, off the
     event loop: a concurrent stream keeps flowing and /health keeps answering."""
