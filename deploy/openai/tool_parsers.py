@@ -383,7 +383,36 @@ class HermesToolParser(ToolCallParser):
 
 
 @dataclass
-class Llama3JsonToolParser(ToolCallParser):
+class DecidedByStart(ToolCallParser):
+    """A format whose output is calls or not by how it starts: held while the start
+    cannot tell, then streamed as content, or (calls) held whole until ``finish``
+    parses it."""
+
+    _buf: str = ""
+    _mode: str = "deciding"  # then "content" or "calls"
+
+    def _opens(self, start: str) -> bool | None:
+        """Whether an output beginning ``start`` holds calls (None: too short to tell)."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> Emitted:
+        if self._mode == "content":
+            return self._emit(text, [])
+        self._buf += text
+        if self._mode == "deciding":
+            opens = self._opens(self._buf)
+            if opens is None:
+                return self._emit("", [])
+            if opens:
+                self._mode = "calls"
+                return self._emit("", [])
+            self._mode, out, self._buf = "content", self._buf, ""
+            return self._emit(out, [])
+        return self._emit("", [])
+
+
+@dataclass
+class Llama3JsonToolParser(DecidedByStart):
     """Llama 3.1 / 3.2 / 3.3 JSON tool calls: the output is
     ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally after
     ``<|python_tag|>``, several separated by ``;``. An output that starts otherwise is
@@ -394,28 +423,16 @@ class Llama3JsonToolParser(ToolCallParser):
     name: ClassVar[str] = "llama3_json"
     TAG: ClassVar[str] = "<|python_tag|>"
 
-    _buf: str = ""
-    _mode: str = "deciding"  # then "content" or "json"
-
-    def feed(self, text: str) -> Emitted:
-        if self._mode == "content":
-            return self._emit(text, [])
-        self._buf += text
-        if self._mode == "deciding":
-            head = self._buf.lstrip()
-            if not head or (self.TAG.startswith(head) and len(head) < len(self.TAG)):
-                return self._emit("", [])
-            if head.startswith(self.TAG) or head.startswith("{"):
-                self._mode = "json"
-                return self._emit("", [])
-            self._mode, out, self._buf = "content", self._buf, ""
-            return self._emit(out, [])
-        return self._emit("", [])
+    def _opens(self, start: str) -> bool | None:
+        head = start.lstrip()
+        if not head or (self.TAG.startswith(head) and len(head) < len(self.TAG)):
+            return None
+        return head.startswith(self.TAG) or head.startswith("{")
 
     def finish(self) -> Emitted:
         self.finished = True
         text, self._buf = self._buf, ""
-        if self._mode != "json":
+        if self._mode != "calls":
             return self._emit(text, [])
         body = text.lstrip()
         if body.startswith(self.TAG):

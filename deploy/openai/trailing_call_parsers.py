@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from cluster.reasoning_parsers import HarmonySplit
 from deploy.openai.tool_parsers import (
+    DecidedByStart,
     Emitted,
     ToolCallDelta,
     ToolCallParser,
@@ -86,7 +87,7 @@ def parse_pythonic_calls(text: str) -> list[tuple[str, str]] | None:
 
 
 @dataclass
-class PythonicToolParser(ToolCallParser):
+class PythonicToolParser(DecidedByStart):
     """Llama 3.2 / Llama 4 / ToolACE pythonic calls: the whole output is a Python list
     of keyword-argument calls, ``[get_weather(city="Paris"), f(x=1)]``. An output that
     starts with ``[`` is held until it ends and then parsed (arguments as JSON); one
@@ -96,25 +97,11 @@ class PythonicToolParser(ToolCallParser):
     #: Llama 4 wraps the list in these (``llama4_pythonic``)
     WRAP: ClassVar[tuple[str, str] | None] = None
 
-    _buf: str = ""
-    _mode: str = "deciding"  # then "content" or "calls"
-
-    def _starts(self) -> tuple[str, ...]:
-        return ("[",) if self.WRAP is None else ("[", self.WRAP[0])
-
-    def feed(self, text: str) -> Emitted:
-        if self._mode == "content":
-            return self._emit(text, [])
-        self._buf += text
-        if self._mode == "deciding":
-            if any(start.startswith(self._buf) for start in self._starts()):
-                return self._emit("", [])  # too short to tell
-            if any(self._buf.startswith(start) for start in self._starts()):
-                self._mode = "calls"
-                return self._emit("", [])
-            self._mode, out, self._buf = "content", self._buf, ""
-            return self._emit(out, [])
-        return self._emit("", [])
+    def _opens(self, start: str) -> bool | None:
+        starts = ("[",) if self.WRAP is None else ("[", self.WRAP[0])
+        if any(s.startswith(start) for s in starts):
+            return None
+        return any(start.startswith(s) for s in starts)
 
     def finish(self) -> Emitted:
         self.finished = True
