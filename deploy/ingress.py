@@ -49,6 +49,7 @@ from deploy.openai.responses_api import (
     ResponseStore,
     chat_events,
     output_messages,
+    response_not_found,
     response_object,
     to_chat,
 )
@@ -315,12 +316,8 @@ class OpenAIIngress:
 
     def _stored(self, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if self.responses_store is None:  # nothing is kept: every id is unknown (vLLM's answer)
-            raise APIError(404, f"Response with id '{response_id[:100]}' not found.", "invalid_request_error", param)
-        try:
-            return self.responses_store.get(response_id)
-        except APIError as exc:
-            exc.param = param
-            raise
+            raise response_not_found(response_id, param)
+        return self.responses_store.get(response_id, param)
 
     def _keep(self, body: ResponsesRequest, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
         if self.responses_store is not None and body.store:

@@ -39,6 +39,11 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def response_not_found(response_id: str, param: str = "response_id") -> APIError:
+    """vLLM's 404 for a response id nothing is kept under."""
+    return APIError(404, f"Response with id '{response_id[:100]}' not found.", "invalid_request_error", param)
+
+
 class ResponsesRequest(OpenAIBaseModel):
     """The request fields we take; unknown ones are ignored (as vLLM), the ones we
     cannot honour refused by name in ``check_supported``."""
@@ -296,8 +301,8 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id or _id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id or _id("rs"), "summary": [], "content": content, "status": status}
 
 
 def _message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
@@ -413,7 +418,6 @@ class ResponseEvents:
         item_id = self.open["id"]
         if kind == "reasoning":
             item = _reasoning_item("", item_id, "in_progress")
-            item["content"] = []
         elif kind == "message":
             item = _message_item("", item_id, "in_progress")
         else:
@@ -433,20 +437,17 @@ class ResponseEvents:
             self.usage = _usage(chunk["usage"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("reasoning"):
-                if self.open is None or self.open["kind"] != "reasoning":
-                    events += self._open_item("reasoning")
-                self.open["parts"].append(delta["reasoning"])
-                events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
-                                          output_index=self.open["index"], content_index=0,
-                                          delta=delta["reasoning"]))
-            if delta.get("content"):
-                if self.open is None or self.open["kind"] != "message":
-                    events += self._open_item("message")
-                self.open["parts"].append(delta["content"])
-                events.append(self._event("response.output_text.delta", item_id=self.open["id"],
-                                          output_index=self.open["index"], content_index=0,
-                                          delta=delta["content"], logprobs=[]))
+            for field, kind, event, extra in (("reasoning", "reasoning", "response.reasoning_text.delta", {}),
+                                              ("content", "message", "response.output_text.delta",
+                                               {"logprobs": []})):
+                text = delta.get(field)
+                if not text:
+                    continue
+                if self.open is None or self.open["kind"] != kind:
+                    events += self._open_item(kind)
+                self.open["parts"].append(text)
+                events.append(self._event(event, item_id=self.open["id"], output_index=self.open["index"],
+                                          content_index=0, delta=text, **extra))
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 index = call.get("index", 0)
@@ -516,12 +517,12 @@ class ResponseStore:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def get(self, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The response and its conversation; a 404 naming ``param`` when it is not kept."""
         self._expire()
         entry = self._entries.get(response_id)
         if entry is None:
-            raise APIError(404, f"Response with id '{response_id[:100]}' not found.", "invalid_request_error",
-                           "response_id")
+            raise response_not_found(response_id, param)
         return entry[1], entry[2]
 
     def delete(self, response_id: str) -> None:

@@ -118,97 +118,6 @@ class PythonicToolParser(DecidedByStart):
                                for i, (name, arguments) in enumerate(calls)])
 
 
-def mistral_tool_call_id() -> str:
-    """Mistral's ids: nine letters and digits (its chat templates refuse others when the
-    call comes back in the next turn)."""
-    return uuid.uuid4().hex[:9]
-
-
-@dataclass
-class MistralToolParser(ToolCallParser):
-    """Mistral: text, then ``[TOOL_CALLS]`` and the calls: a JSON array of
-    ``{"name", "arguments"}`` (tokenizers before v11: Mistral 7B v0.3, Nemo), or
-    ``name[ARGS]{...}`` (v11+: Small 3, Magistral), one ``[TOOL_CALLS]`` per call.
-    Text streams as content until the marker could begin; the calls are held until the
-    output ends, then parsed. Calls that do not parse leave the whole text as content
-    (vLLM keeps only what followed the marker). Ids are Mistral's nine characters."""
-
-    name: ClassVar[str] = "mistral"
-    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
-    MARK: ClassVar[str] = "[TOOL_CALLS]"
-    ARGS: ClassVar[str] = "[ARGS]"
-
-    _buf: str = ""
-    _calling: bool = False
-    _before: str = ""  # the content before the marker
-
-    def feed(self, text: str) -> Emitted:
-        self._buf += text
-        if self._calling:
-            return self._emit("", [])
-        at = self._buf.find(self.MARK)
-        if at < 0:
-            keep = marker_overlap(self._buf, self.MARK)
-            out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-            self._before += out
-            return self._emit(out, [])
-        out, self._buf, self._calling = self._buf[:at], self._buf[at:], True
-        self._before += out
-        return self._emit(out, [])
-
-    def _calls(self, tail: str) -> list[tuple[str, str]] | None:
-        segments = [s.strip() for s in tail.split(self.MARK) if s.strip()]
-        if not segments:
-            return None
-        if segments[0].startswith("["):  # before v11: one JSON array
-            try:
-                parsed, _ = json.JSONDecoder().raw_decode(segments[0])
-            except (ValueError, RecursionError):
-                return None
-            items = parsed if isinstance(parsed, list) else [parsed]
-            calls = [parse_call_object(item, ("arguments", "parameters")) for item in items]
-            return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
-        calls = []
-        for segment in segments:  # v11+: name[ARGS]{...}, or name{...}
-            name, sep, arguments = segment.partition(self.ARGS)
-            if not sep:
-                brace = segment.find("{")
-                if brace < 0:
-                    return None
-                name, arguments = segment[:brace], segment[brace:]
-            try:
-                value, _ = json.JSONDecoder().raw_decode(arguments.strip())
-            except (ValueError, RecursionError):
-                return None
-            call = parse_call_object({"name": name.strip(), "arguments": value}, ("arguments",))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
-
-    def finish(self) -> Emitted:
-        self.finished = True
-        text, self._buf = self._buf, ""
-        if not self._calling:
-            return self._emit(text, [])
-        calls = self._calls(text[len(self.MARK):])
-        if calls is None:
-            return self._emit(text, [])
-        if self.content.strip() == "":
-            self.content = ""  # only whitespace before the calls: no content (vLLM)
-        return self._emit("", [ToolCallDelta(i, arguments, mistral_tool_call_id(), name)
-                               for i, (name, arguments) in enumerate(calls)])
-
-
-@dataclass
-class Llama4PythonicToolParser(PythonicToolParser):
-    """``pythonic``, the list optionally between ``<|python_start|>`` and ``<|python_end|>``."""
-
-    name: ClassVar[str] = "llama4_pythonic"
-    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
-    WRAP: ClassVar[tuple[str, str] | None] = ("<|python_start|>", "<|python_end|>")
-
-
 @dataclass
 class _HeldAfterMarker(ToolCallParser):
     """Text streams as content until one of ``MARKS`` could begin; from the marker on,
@@ -241,6 +150,10 @@ class _HeldAfterMarker(ToolCallParser):
         """(content after the calls, [(name, arguments JSON)]) of the held text."""
         raise NotImplementedError
 
+    @staticmethod
+    def _call_id() -> str:
+        return new_tool_call_id()
+
     def finish(self) -> Emitted:
         self.finished = True
         text, self._buf = self._buf, ""
@@ -248,8 +161,79 @@ class _HeldAfterMarker(ToolCallParser):
         if parsed is None or not (parsed[1] or self.FRAMES_CONTENT):
             return self._emit(text, [])
         after, calls = parsed
-        return self._emit(after, [ToolCallDelta(i, arguments, new_tool_call_id(), name)
+        return self._emit(after, [ToolCallDelta(i, arguments, self._call_id(), name)
                                   for i, (name, arguments) in enumerate(calls)])
+
+
+def mistral_tool_call_id() -> str:
+    """Mistral's ids: nine letters and digits (its chat templates refuse others when the
+    call comes back in the next turn)."""
+    return uuid.uuid4().hex[:9]
+
+
+@dataclass
+class MistralToolParser(_HeldAfterMarker):
+    """Mistral: text, then ``[TOOL_CALLS]`` and the calls: a JSON array of
+    ``{"name", "arguments"}`` (tokenizers before v11: Mistral 7B v0.3, Nemo), or
+    ``name[ARGS]{...}`` (v11+: Small 3, Magistral), one ``[TOOL_CALLS]`` per call.
+    Text streams as content until the marker could begin; the calls are held until the
+    output ends, then parsed. Calls that do not parse leave the whole text as content
+    (vLLM keeps only what followed the marker). Ids are Mistral's nine characters."""
+
+    name: ClassVar[str] = "mistral"
+    MARKS: ClassVar[tuple[str, ...]] = ("[TOOL_CALLS]",)
+    ARGS: ClassVar[str] = "[ARGS]"
+
+    _call_id = staticmethod(mistral_tool_call_id)
+
+    def _calls(self, tail: str) -> list[tuple[str, str]] | None:
+        segments = [s.strip() for s in tail.split(self.MARKS[0]) if s.strip()]
+        if not segments:
+            return None
+        if segments[0].startswith("["):  # before v11: one JSON array
+            try:
+                parsed, _ = json.JSONDecoder().raw_decode(segments[0])
+            except (ValueError, RecursionError):
+                return None
+            items = parsed if isinstance(parsed, list) else [parsed]
+            calls = [parse_call_object(item, ("arguments", "parameters")) for item in items]
+            return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
+        calls = []
+        for segment in segments:  # v11+: name[ARGS]{...}, or name{...}
+            name, sep, arguments = segment.partition(self.ARGS)
+            if not sep:
+                brace = segment.find("{")
+                if brace < 0:
+                    return None
+                name, arguments = segment[:brace], segment[brace:]
+            try:
+                value, _ = json.JSONDecoder().raw_decode(arguments.strip())
+            except (ValueError, RecursionError):
+                return None
+            call = parse_call_object({"name": name.strip(), "arguments": value}, ("arguments",))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
+        calls = self._calls(held[len(self.MARKS[0]):])
+        return None if calls is None else ("", calls)
+
+    def finish(self) -> Emitted:
+        emitted = super().finish()
+        if self.calls and not self.content.strip():
+            self.content = ""  # only whitespace before the calls: no content (vLLM)
+        return emitted
+
+
+@dataclass
+class Llama4PythonicToolParser(PythonicToolParser):
+    """``pythonic``, the list optionally between ``<|python_start|>`` and ``<|python_end|>``."""
+
+    name: ClassVar[str] = "llama4_pythonic"
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+    WRAP: ClassVar[tuple[str, str] | None] = ("<|python_start|>", "<|python_end|>")
 
 
 _DEEPSEEK_CALL = re.compile(
