@@ -21,6 +21,7 @@ Modules, one idea each:
                     the Serve replica's reservation, the placement message)
   ray_session       an engine's hold on Ray, and stopping exactly what it started
   metrics           what the engine counts for monitoring (counters, histograms)
+  lora              LoRARequest (vLLM's), and the adapters requests named, checked
   llm, async_llm    the synchronous and the streaming client
   outputs           RequestOutput, CompletionOutput, RequestMetrics
   demo              the embedded SmolLM2 answering chat prompts through LLM
@@ -30,6 +31,8 @@ from cluster.async_llm import AsyncLLM
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.llm import LLM
+from cluster.lora import LoRARequest
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "LoRARequest"]

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.inputs import Conversation, PromptType, render_chat
+from cluster.lora import LoRARequest
 from cluster.outputs import RequestOutput, merge_deltas
 from cluster.request import Request
 from sampler.params import RequestOutputKind, SamplingParams
@@ -88,13 +89,15 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validates and tokenizes off the event loop; ``ValueError`` for bad input."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
         request_id = request_id if request_id is not None else _random_id()
         return await self.run_off_loop(
-            self.engine.make_request, request_id, prompt, sampling_params, priority=priority
+            self.engine.make_request, request_id, prompt, sampling_params, priority=priority,
+            lora_request=lora_request,
         )
 
     async def render_chat(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
@@ -113,8 +116,10 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        request = await self.make_request(prompt, sampling_params, request_id, priority=priority)
+        request = await self.make_request(prompt, sampling_params, request_id, priority=priority,
+                                          lora_request=lora_request)
         async for out in self.stream(request):
             yield out
 

@@ -42,6 +42,7 @@ from cluster.block_manager import model_salt
 from cluster.config import EngineConfig
 from cluster.input_processor import InputProcessor
 from cluster.inputs import PromptType
+from cluster.lora import LoRARequest
 from cluster.metrics import EngineMetrics, SchedulerStats
 from cluster.output_processor import apply_reply
 from cluster.outputs import RequestOutput
@@ -88,7 +89,7 @@ class LLMEngine:
         self.max_kv_tokens = min(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
         #: checks and builds requests (``make_request``)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                              self.max_model_len, self.max_kv_tokens)
+                                              self.max_model_len, self.max_kv_tokens, infos[0].lora_targets)
         # The input processor's, which the deployment uses too (prompt sizes, constraints).
         self.prompt_budget = self.input_processor.prompt_budget
         self.grammar_compiler = self.input_processor.grammar_compiler
@@ -135,6 +136,7 @@ class LLMEngine:
             decodes_first=c.decodes_first,
             enable_prefix_caching=c.enable_prefix_caching,
             exclude_in_flight=self.pipeline_in_flight > 1,
+            max_loras=c.max_loras if c.enable_lora else None,
             # The same on every worker of the engine (one model, one dtype): a sequence's
             # keys are probed against every worker's cache (prefix routing).
             cache_salt=model_salt(info.model_name, info.dtype),
@@ -159,11 +161,12 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validates and builds a request without queueing it (``InputProcessor``; safe
         from any thread: ``AsyncLLM`` runs it off the event loop, since it tokenizes)."""
         return self.input_processor.make_request(request_id, prompt, params, priority=priority,
-                                                 arrival_time=arrival_time)
+                                                 arrival_time=arrival_time, lora_request=lora_request)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, **kw: Any) -> Request:
         return self.enqueue(self.make_request(request_id, prompt, params, **kw))

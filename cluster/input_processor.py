@@ -17,6 +17,7 @@ from typing import Any
 
 from cluster.config import EngineConfig
 from cluster.inputs import PromptBudget, PromptType, tokenize_prompt
+from cluster.lora import LoRARegistry, LoRARequest
 from cluster.request import Request
 from sampler.params import SamplingParams, check_text
 from worker import GrammarCompiler
@@ -28,7 +29,7 @@ class InputProcessor:
     thread (``AsyncLLM`` runs it off the event loop, since it tokenizes)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
-                 max_model_len: int, max_kv_tokens: int) -> None:
+                 max_model_len: int, max_kv_tokens: int, lora_targets: dict[str, list[int]] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -40,6 +41,8 @@ class InputProcessor:
         # Structured outputs: each constraint compiles once here (LRU), checked on entry.
         self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._order = itertools.count()
+        #: adapters requests name, each folder checked once
+        self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, lora_targets or {})
 
     def make_request(
         self,
@@ -49,6 +52,7 @@ class InputProcessor:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validates and builds a request without queueing it."""
         c = self.config
@@ -76,6 +80,7 @@ class InputProcessor:
                     f"{name} may hold at most {c.max_stop_strings} entries (the server's "
                     f"max_stop_strings), got {len(entries)}"
                 )
+        lora = self.loras.check(lora_request)
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size, self.prompt_budget)
         params.verify(self.vocab_size, c.max_logprobs)
         limit = self.max_model_len
@@ -104,5 +109,5 @@ class InputProcessor:
         params.tokenize_bad_words(self.tokenizer)
         return Request(
             request_id, text, ids, params, self.tokenizer, limit, next(self._order),
-            priority=priority, arrival_time=arrival_time,
+            priority=priority, arrival_time=arrival_time, lora=lora,
         )

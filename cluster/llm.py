@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.inputs import Conversation, PromptType, is_single_prompt, render_chat
+from cluster.lora import LoRARequest
 from cluster.outputs import RequestOutput
 from cluster.reasoning_parsers import reasoning_parser
 from sampler.params import RequestOutputKind, SamplingParams
@@ -39,21 +40,24 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order. Every
-        prompt is validated before any is queued (a bad one raises ``ValueError``)."""
+        prompt is validated before any is queued (a bad one raises ``ValueError``).
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        loras = self._lora_list(lora_request, len(prompts))
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 requests.append(self.engine.make_request(
                     f"{next(self._ids)}", prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                    priority=priority[i] if priority is not None else 0,
+                    priority=priority[i] if priority is not None else 0, lora_request=loras[i],
                 ))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
@@ -68,6 +72,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to conversations (one, or a list of them) rendered with the
         tokenizer's chat template. With a ``reasoning_parser`` each output's text is
@@ -81,7 +86,7 @@ class LLM:
         ]
         name = self.engine.config.reasoning_parser
         if name is None:
-            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         spec = reasoning_parser(name)
         params = self._params_list(sampling_params, len(prompts))
         if spec.needs_special_tokens(self.tokenizer):  # its markers are special tokens: the text must show them
@@ -89,7 +94,7 @@ class LLM:
         if spec.thinks(chat_template_kwargs):  # a constraint applies to the answer, after the reasoning
             params = [p.clone(structured_outputs=msgspec.structs.replace(p.structured_outputs, after_reasoning=True))
                       if p.structured_outputs is not None else p for p in params]
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out in outputs:
             for c in out.outputs:
                 c.reasoning, c.content = spec.split(c.text, chat_template_kwargs)
@@ -110,6 +115,14 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
         return params
+
+    @staticmethod
+    def _lora_list(lora: Any, n: int) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * n
+        if not isinstance(lora, (list, tuple)) or len(lora) != n:
+            raise ValueError(f"lora_request must be a LoRARequest or a list of {n} (one per prompt), got {lora!r}")
+        return list(lora)
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -10,6 +10,7 @@ from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cluster.sequence import Sequence
 from sampler.logprobs import FlatLogprobs, create_prompt_logprobs
 from sampler.params import RequestOutputKind, SamplingParams
+from worker import LoRAAdapter
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -36,8 +37,11 @@ class Request:
         order: int,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.request_id = request_id
+        #: the LoRA adapter it runs with (None: the base model)
+        self.lora = lora
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -56,7 +60,7 @@ class Request:
             # looks like ("a" with n=2 next to a request named "a#1", say).
             seq_id = f"{order}.{i}"
             seq = Sequence(seq_id, i, prompt_token_ids, child_params(params, i), tokenizer, max_model_len)
-            seq.request, seq.priority, seq.order = self, priority, order
+            seq.request, seq.priority, seq.order, seq.lora = self, priority, order, lora
             self.sequences.append(seq)
         self._sent_prompt_logprobs = False
         self._sent_final = False

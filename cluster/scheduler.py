@@ -106,6 +106,7 @@ class WorkerScheduler:
         enable_prefix_caching: bool = True,
         cache_salt: str | bytes | None = None,
         exclude_in_flight: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         """``exclude_in_flight``: a step never takes a sequence that a step still in
         flight runs (a pipeline-parallel worker keeps several steps of different
@@ -118,6 +119,8 @@ class WorkerScheduler:
         self.num_spec_tokens = num_spec_tokens
         self.decodes_first = decodes_first
         self.exclude_in_flight = exclude_in_flight
+        #: the most distinct LoRA adapters its rows hold at once (None: adapters off)
+        self.max_loras = max_loras
         self.rows: list[Sequence | None] = []
         self.builder = BatchUpdateBuilder()
         self.step_id = 0
@@ -254,7 +257,7 @@ class WorkerScheduler:
             seq = waiting.peek()
             if seq.suspect and num_held:
                 break  # it waits for this worker (or another) to drain
-            if seq.num_inflight_tokens or self._waits_for_its_first_sample(seq) \
+            if seq.num_inflight_tokens or self._waits_for_its_first_sample(seq) or self._no_adapter_slot(seq) \
                     or (admit is not None and not admit(seq, self)):
                 # (in flight: preempted while a step ran; it waits for that reply)
                 passed_over.append(waiting.pop())
@@ -302,7 +305,7 @@ class WorkerScheduler:
                     row=row, request_id=rows[row].seq_id, params=params,
                     prompt_token_ids=Int32Array.of(prompt), output_token_ids=Int32Array.of(output),
                     num_generator_draws=rows[row].generator_draws if output else None,
-                    num_computed_tokens=rows[row].num_computed_tokens,
+                    num_computed_tokens=rows[row].num_computed_tokens, lora=rows[row].lora,
                 )
                 for row, params, prompt, output in (update.added if update else [])
             ],
@@ -314,6 +317,14 @@ class WorkerScheduler:
         )
         self.step_id += 1
         return ScheduledStep(message, rows, num_tokens, num_samples), preempted
+
+    def _no_adapter_slot(self, seq: Sequence) -> bool:
+        """``seq`` runs an adapter that no row holds, and the rows already hold
+        ``max_loras`` distinct ones: it waits (for this worker or another)."""
+        if seq.lora is None or self.max_loras is None:
+            return False
+        held = {s.lora.id for s in self.rows if s is not None and s.lora is not None}
+        return seq.lora.id not in held and len(held) >= self.max_loras
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """The tokens ``seq`` runs next out of its ``remaining`` ones. Under speculative

@@ -5,6 +5,7 @@ little the scheduler needs to place it (row, computed tokens, KV blocks held).""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from hashlib import sha256
 from typing import Any
 
 from cluster.detokenizer import IncrementalDetokenizer
@@ -24,6 +25,8 @@ class Sequence:
     ) -> None:
         self.seq_id = seq_id
         self.request: Any = None  # the owning cluster.request.Request
+        #: the LoRA adapter it runs with (a ``worker.LoRAAdapter``; None: the base model)
+        self.lora: Any = None
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -106,7 +109,8 @@ class Sequence:
         keys = self.block_keys
         if len(keys) < num_blocks:
             bs = blocks.block_size
-            parent = keys[-1] if keys else None
+            # An adapter's KV differs from the base model's: its chain starts from its own root.
+            parent = keys[-1] if keys else (None if self.lora is None else lora_root(blocks, self.lora))
             keys.extend(blocks.chain(parent, self.tokens_between(len(keys) * bs, num_blocks * bs)))
         return keys[start:num_blocks]
 
@@ -200,3 +204,9 @@ class Sequence:
         """Ends the sequence from outside ("abort", "error")."""
         if not self.finished:
             self.finish_reason = reason
+
+
+def lora_root(blocks: Any, lora: Any) -> bytes:
+    """The key before the first block of a sequence run with adapter ``lora``: the
+    worker's root (model and dtype) and the adapter's id, name and folder."""
+    return sha256(blocks.root + f"\x00lora\x00{lora.id}\x00{lora.name}\x00{lora.path}".encode()).digest()

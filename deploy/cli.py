@@ -222,6 +222,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="responses the store keeps, the oldest dropped first (default 10000)")
     t.add_argument("--responses-store-max-age-s", type=float, default=None,
                    help="seconds a stored response is kept (default 3600)")
+    lo = srv.add_argument_group("LoRA adapters (vLLM's flags; with --enable-lora)")
+    lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="adapters served from the start, each a model of its own: name=path, or JSON "
+                         '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
+    lo.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "
+                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     r = srv.add_argument_group("engine replicas: how many, how they scale, how they drain (Serve's settings)")
     r.add_argument("--num-replicas", type=int, default=None, help="fixed engine replicas (default 1)")
     r.add_argument("--min-replicas", type=int, default=None,
@@ -353,6 +360,14 @@ def _api_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
             if value <= 0:
                 ap.error(f"--{name.replace('_', '-')} must be above 0, got {value}")
             out[name] = value
+    if args.lora_modules:
+        from deploy.lora_adapters import parse_lora_module
+
+        try:
+            out["lora_modules"] = [parse_lora_module(m) for m in args.lora_modules]
+        except ValueError as exc:
+            ap.error(f"--lora-modules: {exc}")
+    out["allow_runtime_lora_updating"] = args.allow_runtime_lora_updating
     if args.structured_outputs_config is not None:
         from pydantic import ValidationError
 

@@ -160,7 +160,7 @@ class ColocatedServer(OpenAIIngress.func_or_class):  # type: ignore[misc, name-d
         parsed = self.engine_server.args
         admission = Admission(parsed.max_ongoing_requests, parsed.max_queued_requests)
         await super().__init__({parsed.model_id(): LocalEngine(self.engine_server, admission)}, parsed.api_key,
-                               parsed.retry_after_s, parsed.request_timeline, parsed.responses_store())
+                               parsed.retry_after_s, parsed.request_timeline, parsed.responses_store(), parsed.lora())
         #: /metrics: this engine's families read now, the hub's view of the app
         self.replica_metrics = self.engine_server.replica_metrics
 

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.engine import StepRecord
+from cluster.lora import LoRARequest
 from cluster.outputs import RequestOutput
 from cluster.reasoning_parsers import reasoning_parser
 from deploy.metrics import ReplicaMetrics
@@ -48,6 +49,7 @@ from deploy.openai.structured import Constraint
 from deploy.openai.tools import ApiOptions
 from deploy.timeline import TimelineLog
 from sampler.params import StructuredOutputsParams, check_text
+from worker import inspect_adapter
 
 
 async def _run_all(awaitables: list[Any]) -> list[Any]:
@@ -164,6 +166,7 @@ class EngineServer:
             exclude_tools_when_tool_choice_none=self.args.exclude_tools_when_tool_choice_none,
             max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
         )
+        self._check_lora_modules()
         self.timeline = TimelineLog(self.args.request_timeline)
         if self.timeline.enabled:
             self.llm.engine.on_step = self._trace_step
@@ -225,7 +228,7 @@ class EngineServer:
         return {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
 
     async def _requests(self, prompts: list[Any], params: Any, priority: int,
-                        constraint: Constraint | None = None) -> list[Any]:
+                        constraint: Constraint | None = None, lora: dict[str, Any] | None = None) -> list[Any]:
         """Every prompt validated and tokenized (off the event loop) before any is
         queued: a bad one is a 400 naming it, and nothing was started. An error about
         the output's ``constraint`` names the request field it came from."""
@@ -243,7 +246,8 @@ class EngineServer:
         requests = []
         for i, prompt in enumerate(prompts):
             try:
-                requests.append(await self.llm.make_request(prompt, params, f"{rid}-{i}", priority=priority))
+                requests.append(await self.llm.make_request(prompt, params, f"{rid}-{i}", priority=priority,
+                                                            lora_request=self._lora_request(lora)))
             except ValueError as exc:
                 named = await self._explain(constraint, exc) if constraint is not None else None
                 if named is not None:
@@ -352,6 +356,30 @@ class EngineServer:
                             "organization": "*", "group": None, "is_blocking": False}],
         }
 
+    def check_lora(self, lora: dict[str, Any]) -> Reply:
+        """Checks an adapter's folder against the served model (``/v1/load_lora_adapter``):
+        200, or a 400 naming what is wrong."""
+        try:
+            self.llm.engine.input_processor.loras.check(self._lora_request(lora))
+        except ValueError as exc:
+            return error_reply(APIError(400, str(exc), "BadRequestError", "lora_path"))
+        return Reply(body={"status": "ok"})
+
+    @staticmethod
+    def _lora_request(lora: dict[str, Any] | None) -> LoRARequest | None:
+        return None if lora is None else LoRARequest(lora["name"], lora["id"], lora["path"])
+
+    def _check_lora_modules(self) -> None:
+        """The server's ``lora_modules`` checked at start: a bad folder stops the replica,
+        naming it."""
+        engine = self.llm.engine
+        for module in self.args.lora()["modules"]:
+            try:
+                inspect_adapter(os.path.abspath(module["path"]), engine.config.max_lora_rank,
+                                engine.input_processor.loras.targets)
+            except ValueError as exc:
+                raise ValueError(f"lora_modules {module['name']!r}: {exc}") from None
+
     def health(self) -> Reply:
         """200 when the engine can serve, 503 (with the problems) when it cannot."""
         state = self.llm.engine.health()
@@ -409,15 +437,18 @@ class EngineServer:
             return error_reply(APIError(400, f"tokens: cannot be decoded: {exc}", "BadRequestError", "tokens"))
         return Reply(body={"prompt": text})
 
-    async def completions(self, body: CompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
-        """``/v1/completions``: a ``Reply``, then the event text when it streams."""
-        async with aclosing(self._respond(self._completions(body, request_id))) as items:
+    async def completions(self, body: CompletionRequest, request_id: str | None = None,
+                          lora: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+        """``/v1/completions``: a ``Reply``, then the event text when it streams.
+        ``lora``: the adapter (name, id, path) the request's ``model`` named."""
+        async with aclosing(self._respond(self._completions(body, request_id, lora))) as items:
             async for item in items:
                 yield item
 
-    async def chat(self, body: ChatCompletionRequest, request_id: str | None = None) -> AsyncIterator[Any]:
+    async def chat(self, body: ChatCompletionRequest, request_id: str | None = None,
+                   lora: dict[str, Any] | None = None) -> AsyncIterator[Any]:
         """``/v1/chat/completions``: a ``Reply``, then the event text when it streams."""
-        async with aclosing(self._respond(self._chat(body, request_id))) as items:
+        async with aclosing(self._respond(self._chat(body, request_id, lora))) as items:
             async for item in items:
                 yield item
 
@@ -436,8 +467,10 @@ class EngineServer:
                 async for text in texts:
                     yield text
 
-    async def _completions(self, body: CompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
+    async def _completions(self, body: CompletionRequest, request_id: str | None,
+                           lora: dict[str, Any] | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()
+        model = self.model_name if lora is None else lora["name"]
         try:  # schemas are checked here: off the event loop
             params = await self.llm.run_off_loop(body.sampling_params, self.api_options)
             prompts = body.prompts()
@@ -446,7 +479,7 @@ class EngineServer:
         except (ValueError, ValidationError) as exc:
             raise bad_request(exc) from None
         rid = new_id("cmpl", body.request_id or request_id)
-        requests = await self._requests(prompts, params, body.priority, body.constraint)
+        requests = await self._requests(prompts, params, body.priority, body.constraint, lora)
         key = body.request_id or request_id or rid
         prompt_texts = None
         if body.echo:
@@ -458,19 +491,21 @@ class EngineServer:
         if not body.streaming:
             outs = await _run_all([self._final(s) for s in streams])
             self._trace(key, started, requests, None)
-            response = await self.llm.run_off_loop(completion_response, rid, self.model_name, list(outs), builder)
+            response = await self.llm.run_off_loop(completion_response, rid, model, list(outs), builder)
             return Reply(body=response.model_dump(exclude_unset=True)), None
         created = int(time.time())
         _, continuous = body.usage_options()
 
         def chunks(index: int, out: RequestOutput) -> list[Any]:
-            return completion_chunks(rid, self.model_name, created, index, out, builder, continuous)
+            return completion_chunks(rid, model, created, index, out, builder, continuous)
 
         return Reply(stream=True), self._events(rid, "text_completion", body, streams, chunks, builder.total_usage,
                                                 lambda first: self._trace(key, started, requests, first))
 
-    async def _chat(self, body: ChatCompletionRequest, request_id: str | None) -> tuple[Reply, AsyncIterator[str] | None]:
+    async def _chat(self, body: ChatCompletionRequest, request_id: str | None,
+                    lora: dict[str, Any] | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()
+        model = self.model_name if lora is None else lora["name"]
         try:
             def prepare() -> tuple[Any, list[dict[str, Any]]]:  # schemas are checked here: off the event loop
                 params = body.sampling_params(self.api_options)
@@ -485,17 +520,17 @@ class EngineServer:
         except (ValueError, ValidationError) as exc:
             raise bad_request(exc) from None
         rid = new_id("chatcmpl", body.request_id or request_id)
-        (request,) = await self._requests([prompt], params, body.priority, body.constraint)
+        (request,) = await self._requests([prompt], params, body.priority, body.constraint, lora)
         key = body.request_id or request_id or rid
         stream = self._outputs(request)
         text = self._token_text(body)
         if not body.streaming:
             (out,) = await _run_all([self._final(stream)])
             self._trace(key, started, [request], None)
-            response = await self.llm.run_off_loop(chat_response, rid, self.model_name, out, body, text,
+            response = await self.llm.run_off_loop(chat_response, rid, model, out, body, text,
                                                    self._count_tokens())
             return Reply(body=response.model_dump(exclude_unset=True)), None
-        builder = ChatChunks(rid, self.model_name, body, text, self._count_tokens())
+        builder = ChatChunks(rid, model, body, text, self._count_tokens())
         return Reply(stream=True), self._events(rid, "chat.completion.chunk", body, [stream],
                                                 lambda _, out: builder.chunks(out), builder.total_usage,
                                                 lambda first: self._trace(key, started, [request], first))

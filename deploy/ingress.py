@@ -7,7 +7,8 @@ Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions`` and
 ``POST /v1/responses`` (the Responses API over the chat endpoint; ``GET`` and ``DELETE
 /v1/responses/{id}`` with the store on) (``stream: true`` answers with server-sent
 events), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /v1/models/{id}`` (LoRA adapters too, each a model; ``POST
+/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` where allowed), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
 ``GET /metrics`` (Prometheus text, vLLM's metric names), ``GET /health``. Bad requests
 get HTTP 400 with an OpenAI error object naming the field, an unknown model 404, a
 wrong API key 401 (the key guards ``/v1/*``, as vLLM's does). When an engine deployment
@@ -38,6 +39,12 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.lora_adapters import (
+    AdapterTable,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    runtime_updates_allowed,
+)
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, bad_request, error_body
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -151,7 +158,11 @@ class OpenAIIngress:
     """``engines``: the served model name of each engine deployment, to its handle."""
 
     def __init__(self, engines: dict[str, Any], api_key: str | None = None, retry_after_s: float = 1.0,
-                 request_timeline: str | None = None, responses_store: dict[str, Any] | None = None) -> None:
+                 request_timeline: str | None = None, responses_store: dict[str, Any] | None = None,
+                 lora: dict[str, Any] | None = None) -> None:
+        """``lora``: the LoRA adapters served from the start (``modules``, parsed
+        ``lora_modules``) and whether the runtime endpoints may change them
+        (``runtime_updates``)."""
         if not engines:
             raise ValueError("the ingress needs at least one engine deployment")
         self.engines = {name: over_cluster_transport(h) for name, h in engines.items()}
@@ -164,6 +175,10 @@ class OpenAIIngress:
         self.timeline = TimelineLog(request_timeline)
         #: the Responses API's stored responses (None: no store, vLLM's default)
         self.responses_store = ResponseStore(**responses_store) if responses_store else None
+        lora = lora or {}
+        #: the LoRA adapters, each a ``model`` of its own (deploy/lora_adapters.py)
+        self.adapters = AdapterTable(list(self.engines), lora.get("modules", []),
+                                     runtime_updates_allowed(lora.get("runtime_updates", False)))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -174,7 +189,16 @@ class OpenAIIngress:
                 raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
     def _engine(self, model: str | None) -> Any:
-        """The handle serving ``model``; with one model, a request that names none."""
+        """The handle serving ``model`` (or the base model of the adapter it names);
+        with one model, a request that names none."""
+        return self._target(model)[0]
+
+    def _target(self, model: str | None) -> tuple[Any, dict[str, Any] | None]:
+        """The handle serving ``model``, and the LoRA adapter it names (None: none)."""
+        model, lora = self.adapters.resolve(model)
+        return self._base_engine(model), lora
+
+    def _base_engine(self, model: str | None) -> Any:
         if model is None and len(self.engines) == 1:
             return next(iter(self.engines.values()))
         if model is None:
@@ -197,11 +221,12 @@ class OpenAIIngress:
         except (BackPressureError, *ENGINE_GONE) as exc:
             raise self._unavailable(exc) from None
 
-    async def _open(self, handle: Any, method: str, body: Any, request_id: str | None) -> tuple[Any, Reply]:
+    async def _open(self, handle: Any, method: str, body: Any, request_id: str | None,
+                    lora: dict[str, Any] | None = None) -> tuple[Any, Reply]:
         """A generation call's stream and its first item (``Reply``: what the response is)."""
         stream = None
         try:
-            stream = getattr(handle.options(stream=True), method).remote(body, request_id)
+            stream = getattr(handle.options(stream=True), method).remote(body, request_id, lora)
             return stream, await stream.__anext__()
         except (BackPressureError, *ENGINE_GONE) as exc:
             _cancel(stream)
@@ -210,12 +235,13 @@ class OpenAIIngress:
             _cancel(stream)
             raise
 
-    async def _generate(self, handle: Any, method: str, body: Any, request_id: str | None) -> Response:
-        """A generation call: the engine's first item says what the response is; a
-        stream relays the rest as it comes."""
+    async def _generate(self, method: str, body: Any, request_id: str | None) -> Response:
+        """A generation call to the engine serving ``body.model``: the engine's first
+        item says what the response is; a stream relays the rest as it comes."""
         started = time.time()
+        handle, lora = self._target(body.model)
         key = body.request_id or request_id if self.timeline.enabled else None
-        stream, head = await self._open(handle, method, body, request_id)
+        stream, head = await self._open(handle, method, body, request_id, lora)
         trace = None if key is None else {"stage": "ingress", "id": key, "in": started, "head": time.time(),
                                           "first_text": None}
         if not head.stream:
@@ -280,13 +306,58 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, raw: Request) -> dict[str, Any]:
         self._check_key(raw)
-        return {"object": "list", "data": [await self._card(name) for name in self.engines]}
+        return {"object": "list", "data": [await self._card(name) for name in self.engines] + self.adapters.cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, raw: Request) -> dict[str, Any]:
         self._check_key(raw)
         self._engine(model_id)
-        return await self._card(model_id)
+        adapter = next((c for c in self.adapters.cards() if c["id"] == model_id), None)
+        return adapter if adapter is not None else await self._card(model_id)
+
+    # -- routes: LoRA adapters at run time (vLLM's) -------------------------------------
+
+    def _check_runtime_updates(self) -> None:
+        if not self.adapters.runtime_updates:
+            raise APIError(404, "LoRA adapters cannot be loaded or unloaded at run time on this server (start it with "
+                                "--allow-runtime-lora-updating, or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+                           "NotFoundError")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, raw: Request) -> Response:
+        """Adds an adapter (its folder checked by the engine serving its base model)."""
+        self._check_key(raw)
+        self._check_runtime_updates()
+        # load_inplace (vLLM's): the name's adapter is replaced (read again from its folder)
+        table = self.adapters.adapters
+        old = table.pop(body.lora_name, None) if body.load_inplace else None
+        try:
+            entry = self.adapters.add(body.lora_name, body.lora_path, body.base_model_name)
+        except ValueError as exc:
+            if old is not None:
+                table[body.lora_name] = old
+            raise APIError(400, str(exc), "BadRequestError", "lora_name") from None
+        reply = None
+        try:
+            reply = await self._call(self.engines[entry["engine"]], "check_lora",
+                                     {k: entry[k] for k in ("name", "id", "path")})
+        finally:
+            if (reply is None or reply.status != 200) and table.get(body.lora_name) is entry:
+                del table[body.lora_name]  # refused (or the call failed): the table as it was
+                if old is not None:
+                    table[body.lora_name] = old
+        if reply.status != 200:
+            return _json(reply)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, raw: Request) -> Response:
+        """Removes an adapter: requests naming it get a 404 from now on (those running
+        finish with it)."""
+        self._check_key(raw)
+        self._check_runtime_updates()
+        self.adapters.remove(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     # -- routes: tokenizer --------------------------------------------------------------
 
@@ -305,12 +376,12 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_key(raw)
-        return await self._generate(self._engine(body.model), "completions", body, raw.headers.get("x-request-id"))
+        return await self._generate("completions", body, raw.headers.get("x-request-id"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_key(raw)
-        return await self._generate(self._engine(body.model), "chat", body, raw.headers.get("x-request-id"))
+        return await self._generate("chat", body, raw.headers.get("x-request-id"))
 
     # -- routes: the Responses API (deploy/openai/responses_api.py) ---------------------
 
@@ -328,7 +399,7 @@ class OpenAIIngress:
         """A response to ``input`` (after ``previous_response_id``'s conversation), as
         the engine's chat answer."""
         self._check_key(raw)
-        handle = self._engine(body.model)
+        handle, lora = self._target(body.model)
         history = self._stored(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id is not None else []
         try:
@@ -337,7 +408,7 @@ class OpenAIIngress:
         except (ValueError, ValidationError) as exc:
             raise bad_request(exc) from None
         shell = ResponseShell(body, body.model or next(iter(self.engines)))
-        stream, head = await self._open(handle, "chat", chat, raw.headers.get("x-request-id"))
+        stream, head = await self._open(handle, "chat", chat, raw.headers.get("x-request-id"), lora)
         if not head.stream:
             _cancel(stream)
             if head.status != 200:

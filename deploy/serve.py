@@ -71,19 +71,21 @@ def engine_deployment(parsed: ServerArgs, name: str = "LLMEngine",
 def ingress_deployment(engines: dict[str, serve.Application], api_key: str | None = None,
                        retry_after_s: float = 1.0, options: dict[str, Any] | None = None,
                        request_timeline: str | None = None,
-                       responses_store: dict[str, Any] | None = None) -> serve.Application:
+                       responses_store: dict[str, Any] | None = None,
+                       lora: dict[str, Any] | None = None) -> serve.Application:
     """The OpenAI ingress in front of ``engines`` (served model name -> bound engine
     deployment), bound; a full engine queue answers 503 with ``Retry-After``.
     ``options``: further Serve options of the ingress deployment (num_replicas, ...).
     ``request_timeline``: the file of its request timeline lines (deploy/timeline.py).
-    ``responses_store``: the Responses API store's settings (None: none)."""
+    ``responses_store``: the Responses API store's settings (None: none); ``lora``: the LoRA
+    adapters it serves (``ServerArgs.lora``)."""
     # The ingress relays the engines' streams: when it is replaced (a redeploy) it
     # drains them for as long as an engine replica would (ServerArgs' default).
     options = {"graceful_shutdown_timeout_s": ServerArgs.model_fields["graceful_shutdown_timeout_s"].default,
                **(options or {})}
     return OpenAIIngress.options(
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=retry_after_s), **options,
-    ).bind(engines, api_key, retry_after_s, request_timeline, responses_store)
+    ).bind(engines, api_key, retry_after_s, request_timeline, responses_store, lora)
 
 
 def colocated_deployment(parsed: ServerArgs) -> serve.Application:
@@ -109,4 +111,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         return colocated_deployment(parsed)
     return ingress_deployment({parsed.model_id(): engine_deployment(parsed)}, parsed.api_key, parsed.retry_after_s,
                               {"graceful_shutdown_timeout_s": parsed.graceful_shutdown_timeout_s},
-                              parsed.request_timeline, parsed.responses_store())
+                              parsed.request_timeline, parsed.responses_store(), parsed.lora())

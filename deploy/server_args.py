@@ -85,6 +85,20 @@ class ServerArgs(BaseModel):
     #: gRPC hop and one process fewer per request; only with one engine replica that
     #: does not autoscale. While that replica is replaced, nothing answers HTTP
     colocate: bool = False
+    # -- LoRA adapters (deploy/lora_adapters.py; the engine needs enable_lora) --
+    #: adapters served from the start, each a model of its own (vLLM's --lora-modules):
+    #: "name=path", or {"name", "path", "base_model_name"}
+    lora_modules: list[str | dict[str, Any]] = []
+    #: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime endpoints;
+    #: also on when the environment sets VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
+
+    def lora(self) -> dict[str, Any]:
+        """The ingress's LoRA settings: the parsed ``lora_modules`` and the runtime switch."""
+        from deploy.lora_adapters import parse_lora_module
+
+        return {"modules": [parse_lora_module(m) for m in self.lora_modules],
+                "runtime_updates": self.allow_runtime_lora_updating}
 
     def responses_store(self) -> dict[str, Any] | None:
         """The ingress's Responses API store settings (None: no store)."""
@@ -120,6 +134,12 @@ class ServerArgs(BaseModel):
             raise ValueError("request_router_kwargs: settings of the prefix-aware router, but request_router is "
                              "power_of_two")
         check_router_kwargs(self.request_router_kwargs)
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.engine.get("enable_lora"):
+            raise ValueError("lora_modules and allow_runtime_lora_updating need the engine's enable_lora "
+                             "(--enable-lora)")
+        names = [m["name"] for m in self.lora()["modules"]]
+        if len(set(names)) != len(names) or self.model_id() in names:
+            raise ValueError(f"lora_modules: each adapter needs a name of its own, not the model's ({names})")
         if self.colocate and (self.num_replicas != 1 or self.autoscaling_config is not None):
             raise ValueError("colocate: only with one engine replica (num_replicas 1, no autoscaling_config)")
         if self.colocate and (self.request_router is not None or self.request_router_kwargs):

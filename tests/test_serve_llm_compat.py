@@ -135,7 +135,8 @@ def test_vllm_names_raydecode_shares_or_renames():
                                "prompt_lookup_max": 5},
         "dtype": "half", "long_prefill_token_threshold": 0, "max_num_seqs": None, "seed": 7,
         "enable_chunked_prefill": True, "distributed_executor_backend": "ray", "disable_log_stats": False,
-        "enable_lora": False, "chat_template": "{{ messages }}", "structured_outputs_config":
+        "enable_lora": True, "max_loras": 4, "lora_dtype": "auto", "chat_template": "{{ messages }}",
+        "structured_outputs_config":
             {"disable_any_whitespace": True},
         "api_key": "sk-1", "tokenizer": "/models/m", "worker_num_cpus": 0.5,  # raydecode's own names pass too
     }, "/models/m")
@@ -144,7 +145,7 @@ def test_vllm_names_raydecode_shares_or_renames():
     assert engine == {"kv_block_size": 32, "distributed_timeout_s": 90, "cuda_graphs": False,
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                                              "prompt_lookup_max": 5},
-                      "dtype": "float16", "seed": 7, "worker_num_cpus": 0.5}
+                      "dtype": "float16", "seed": 7, "worker_num_cpus": 0.5, "enable_lora": True, "max_loras": 4}
     draft = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
     assert map_engine_kwargs({"speculative_config": draft}, "m")[1] == {"speculative_config": draft}
     assert key == "sk-1"
@@ -158,8 +159,9 @@ REFUSED = [
     (llm(engine_kwargs={"reasoning_parser_plugin": "my.py"}), r"engine_kwargs\.reasoning_parser_plugin: .*vLLM-only"),
     (llm(engine_kwargs={"reasoning_parser": "o1"}), r"reasoning_parser must be one of .*got 'o1'"),
     (llm(engine_kwargs={"max_modle_len": 256}), r"engine_kwargs\.max_modle_len: unknown engine argument"),
-    (llm(engine_kwargs={"enable_lora": True}), r"engine_kwargs\.enable_lora: LoRA adapters are not supported"),
-    (llm(engine_kwargs={"max_lora_rank": 8}), r"engine_kwargs\.max_lora_rank: LoRA"),
+    (llm(engine_kwargs={"fully_sharded_loras": True}), r"engine_kwargs\.fully_sharded_loras: not supported by "
+                                                        r"raydecode's LoRA adapters"),
+    (llm(engine_kwargs={"enable_lora": True, "max_lora_rank": 0}), r"max_lora_rank must be a positive integer"),
     (llm(engine_kwargs={"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}}),
      r"engine_kwargs\.kv_transfer_config: prefill/decode disaggregation .* not supported"),
     (llm(engine_kwargs={"speculative_config": {"method": "eagle", "model": "x", "num_speculative_tokens": 2}}),
@@ -181,7 +183,7 @@ REFUSED = [
     (llm(engine_kwargs=["max_model_len"]), r"engine_kwargs\s+Input should be a valid dictionary"),
     # the LLMConfig's own fields
     (llm(lora_config={"dynamic_lora_loading_path": "s3://bucket/loras"}),
-     r"lora_config: LoRA adapters are not supported by raydecode"),
+     r"lora_config: Ray Serve LLM's dynamic adapter loading .* not supported by raydecode yet"),
     (llm(accelerator_type="H1000"), r"Unsupported accelerator type: H1000"),
     (llm(accelerator_type="TPU-V4"), r"TPUs are not supported"),
     (llm(accelerator_type=7), r"accelerator_type\s+Input should be a valid string"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 from sampler.params import SamplingParams
@@ -44,6 +45,8 @@ class Req:
     draws: int = 0
     error: str | None = None
     blocks: list[int] = field(default_factory=list)
+    #: the LoRA adapter it runs with (a ``worker.LoRAAdapter``; None: the base model)
+    lora: Any = None
 
     @property
     def known(self) -> int:
@@ -92,8 +95,9 @@ class MiniDriver:
         self.num_swaps = 0
         self.swap_rng = random.Random(swap_seed) if swap_seed is not None else None
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_step: int = 0) -> None:
-        self.waiting.append(Req(request_id, list(prompt), params, arrival_step))
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_step: int = 0,
+               lora: Any = None) -> None:
+        self.waiting.append(Req(request_id, list(prompt), params, arrival_step, lora=lora))
 
     # -- one step -------------------------------------------------------------------
 
@@ -125,7 +129,7 @@ class MiniDriver:
             added.append(AddedRequest(
                 row=row, request_id=req.request_id, params=req.params,
                 prompt_token_ids=Int32Array.of(req.prompt), output_token_ids=Int32Array.of(req.output),
-                num_generator_draws=req.draws if req.output else None,
+                num_generator_draws=req.draws if req.output else None, lora=req.lora,
             ))
         moved = []
         # Condense: the highest occupied row fills the lowest hole.

@@ -22,7 +22,8 @@ this package and ``worker.transport``; the rooms behind it:
 and beside them, the floor every room (and the driver) stands on: ``config.py``
 (``WorkerConfig``), ``protocol.py`` (the msgspec wire format both sides import),
 ``structured_output.py`` (grammars, which the driver also compiles to validate
-requests) and ``cache.py`` (where built things are kept); ``build.py`` puts a runner
+requests), ``lora_adapter.py`` (PEFT adapter folders, which the driver also checks)
+and ``cache.py`` (where built things are kept); ``build.py`` puts a runner
 together for its device.
 
 The import contracts (``pyproject.toml``, ``[tool.importlinter]``) keep this layering:
@@ -34,6 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from worker.config import WorkerConfig
+from worker.lora_adapter import LoRAAdapter, LoRAAdapterError, check_adapter_name, inspect_adapter
 from worker.protocol import (
     PROTOCOL_VERSION,
     AddedRequest,
@@ -56,8 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MODEL_NAME", "PROTOCOL_VERSION", "AddedRequest", "Codec", "GrammarCompiler", "GroupRank",
-    "Int32Array", "ModelLoadError", "MovedRows", "ProtocolError", "StepReply", "StepRequest", "StepTimings",
-    "WorkerConfig", "WorkerInfo", "check_model_parallel", "leader_rank", "load_tokenizer",
+    "Int32Array", "LoRAAdapter", "LoRAAdapterError", "ModelLoadError", "MovedRows", "ProtocolError", "StepReply", "StepRequest", "StepTimings",
+    "WorkerConfig", "WorkerInfo", "check_adapter_name", "check_model_parallel", "inspect_adapter", "leader_rank", "load_tokenizer",
 ]
 
 

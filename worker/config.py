@@ -141,6 +141,17 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     reasoning_start: str | None = None
     #: text of the token that closes a reasoning section (thinking_token_budget)
     reasoning_end: str | None = None
+    # -- LoRA adapters (worker/runner/lora.py) ----------------------------------------
+    #: serve LoRA adapters (PEFT's format): requests name one (``lora_request``, or an
+    #: adapter's name as the HTTP ``model``), rows of different adapters in one batch
+    enable_lora: bool = False
+    #: the most distinct adapters one worker's batch holds at once (vLLM's max_loras)
+    max_loras: int = 1
+    #: the highest adapter rank served (vLLM's max_lora_rank)
+    max_lora_rank: int = 16
+    #: adapters a worker keeps loaded, the least recently used dropped past it; None:
+    #: max_loras (vLLM's max_cpu_loras)
+    max_cpu_loras: int | None = None
     # -- attention and the CPU backend (worker/cpu/) ---------------------------------
     #: paged attention through torch's FlexAttention, reading the KV pool in place
     #: (compiled with Triton on CUDA). None: on for GPU workers; CPU workers use their
@@ -207,6 +218,15 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         require(is_int(self.seed), "seed", "an integer", self.seed)
         check_logprobs_options(self.max_logprobs, self.logprobs_mode)
         check_quantization(self.quantization, self.quantization_config)
+        require(isinstance(self.enable_lora, bool), "enable_lora", "true or false", self.enable_lora)
+        check_positive(self, "max_loras", "max_lora_rank")
+        check_positive(self, "max_cpu_loras", optional=True)
+        if self.max_cpu_loras is not None:
+            require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})",
+                    self.max_cpu_loras)
+        if self.enable_lora and self.group_size > 1:
+            raise ValueError("enable_lora: adapters run in a single-rank worker only, not with tensor_parallel_size "
+                             "or pipeline_parallel_size > 1 (not supported yet)")
         spec = self.speculative
         if spec is not None and spec.is_draft_model and self.group_size > 1:
             raise ValueError("speculative_config: a draft model runs in a single-rank worker only, not with "

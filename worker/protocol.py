@@ -15,8 +15,9 @@ import msgspec
 import numpy as np
 
 from sampler.params import SamplingParams
+from worker.lora_adapter import LoRAAdapter
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -93,6 +94,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     quantized: dict[str, int] = {}
     #: bytes of the model's weights as loaded (quantized ones as stored)
     weight_bytes: int = 0
+    #: with enable_lora: the linears an adapter may attach to, name -> [in, out]
+    lora_targets: dict[str, list[int]] = {}
 
 
 # -- driver -> worker ------------------------------------------------------------------
@@ -128,6 +131,8 @@ class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
     #: leading tokens whose KV is already in the blocks it arrives with (a prefix-cache
     #: hit, a whole number of blocks); it computes from there
     num_computed_tokens: NonNegative = 0
+    #: the LoRA adapter it runs with (None: the base model)
+    lora: LoRAAdapter | None = None
 
 
 class MovedRows(msgspec.Struct, array_like=True, frozen=True):

@@ -42,9 +42,10 @@ ALWAYS = {
     "disable_log_stats": (False, "raydecode always keeps its engine stats (GET /metrics)"),
 }
 
-#: vLLM's LoRA arguments (``enable_lora: false`` alone is accepted).
+#: vLLM's LoRA arguments raydecode does not take (``enable_lora``, ``max_loras``,
+#: ``max_lora_rank`` and ``max_cpu_loras`` are ``EngineConfig``'s own and pass through).
 LORA_KWARGS = frozenset({
-    "enable_lora", "enable_lora_bias", "max_loras", "max_lora_rank", "max_cpu_loras", "fully_sharded_loras",
+    "enable_lora_bias", "fully_sharded_loras",
     "lora_dtype", "lora_extra_vocab_size", "long_lora_scaling_factors", "lora_modules", "default_mm_loras",
     "lora_target_modules", "enable_tower_connector_lora", "specialize_active_lora", "qlora_adapter_name_or_path",
 })
@@ -177,10 +178,10 @@ def map_engine_kwargs(kwargs: dict[str, Any], model: str) -> tuple[dict[str, Any
             api_key = keys[0]
             continue
         if name in LORA_KWARGS:
-            if name == "enable_lora" and value is False:
+            if value in (None, False, "auto"):
                 continue
-            raise _kwarg_error(name, "LoRA adapters are not supported by raydecode (no adapter loading or "
-                               "multiplexing); serve a model with the adapter merged into its weights")
+            raise _kwarg_error(name, "not supported by raydecode's LoRA adapters (enable_lora, max_loras, "
+                               "max_lora_rank and max_cpu_loras are)")
         if name in PD_KWARGS:
             raise _kwarg_error(name, "prefill/decode disaggregation (moving KV between engines) is not "
                                "supported by raydecode: each engine runs both prefill and decode")

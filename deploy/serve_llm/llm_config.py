@@ -94,7 +94,8 @@ class LLMConfig(_Strict):
     accelerator_type: str | None = None
     accelerator_config: AcceleratorConfig | None = None
     placement_group_config: dict[str, Any] | None = None
-    #: refused: raydecode serves no LoRA adapters
+    #: refused: Ray Serve LLM's dynamic adapter loading and multiplexed routing are not
+    #: built yet (engine_kwargs enable_lora and the server's adapters are)
     lora_config: dict[str, Any] | None = None
     deployment_config: dict[str, Any] = {}
     #: refused when set: the engine deployment is raydecode's EngineServer
@@ -137,8 +138,9 @@ class LLMConfig(_Strict):
 
     def _make_plan(self) -> EnginePlan:
         if self.lora_config is not None:
-            raise ValueError("lora_config: LoRA adapters are not supported by raydecode (no adapter loading or "
-                             "multiplexing); serve a model with the adapter merged into its weights")
+            raise ValueError("lora_config: Ray Serve LLM's dynamic adapter loading and multiplexed routing are not "
+                             "supported by raydecode yet; set engine_kwargs enable_lora and serve adapters with "
+                             "`raydecode serve --lora-modules` or POST /v1/load_lora_adapter")
         if self.server_cls is not None:
             raise ValueError("server_cls: not supported: raydecode's engine deployment is "
                              "deploy.engine_server.EngineServer")

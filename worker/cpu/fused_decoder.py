@@ -51,6 +51,7 @@ from worker.cpu.packed_linear import LinearSlice, PackedLinear, PanelLinear, mer
 from worker.cpu.quant_linear import QuantPanelLinear
 from worker.quant.linear import QuantizedLinear
 from worker.runner.attention import attend_cached
+from worker.runner.lora import Parts, StepLoRA
 
 if TYPE_CHECKING:
     from worker.parallel.group import ParallelGroup
@@ -89,12 +90,26 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-def projections(x: torch.Tensor, linears: tuple[nn.Module, ...], sizes: list[int] | None) -> tuple[torch.Tensor, ...]:
+def projections(x: torch.Tensor, linears: tuple[nn.Module, ...], sizes: list[int] | None,
+                lora: StepLoRA | None = None, parts: Parts = ()) -> tuple[torch.Tensor, ...]:
     """The outputs of projections that read ``x``: one merged matmul split into column
-    views (``sizes``), or each linear in turn."""
-    if sizes is not None:
-        return linear(x, linears[0]).split(sizes, dim=-1)
-    return tuple(linear(x, m) for m in linears)
+    views (``sizes``), or each linear in turn; with ``lora``, the step's adapter
+    products over ``parts`` added (``worker/runner/lora.py``)."""
+    outs = (linear(x, linears[0]),) if sizes is not None else tuple(linear(x, m) for m in linears)
+    if lora is not None:
+        lora.add(parts, x, outs)
+    return outs[0].split(sizes, dim=-1) if sizes is not None else outs
+
+
+def lora_parts(modules: list[nn.Module], sizes: list[int] | None, names: dict[int, str]) -> Parts:
+    """The ``Parts`` of projections ``modules`` (by their names in the model) as
+    ``projections`` runs them: column runs of one merged output, or one output each."""
+    if sizes is None:
+        return tuple((names[id(m)], i, 0, int(m.out_features)) for i, m in enumerate(modules))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if len(modules) == 1:  # fused in the checkpoint (Phi-3): adapters attach to it whole
+        return ((names[id(modules[0])], 0, 0, sum(sizes)),)
+    return tuple((names[id(m)], 0, start, size) for m, start, size in zip(modules, starts, sizes))
 
 
 def projection_group(parts: list[nn.Module]) -> tuple[tuple[nn.Module, ...], list[int] | None]:
@@ -186,6 +201,8 @@ class LayerParts:
     moe: nn.Module | None = None
     #: the heads' attention sinks (gpt-oss: an extra logit per head in the softmax)
     sinks: torch.Tensor | None = None
+    #: where LoRA adapters attach: the ``Parts`` of qkv, o_proj, gate_up and down_proj
+    lora: dict[str, Parts] | None = None
 
 
 #: the old name (tests and tools import it)
@@ -250,6 +267,12 @@ class FusedDecoder:
         self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
         self.lm_head = model.lm_head
         self.layers = [describe_layer(layer, config) for layer in inner.layers]
+        names = {id(m): n for n, m in model.named_modules()}
+        for parts, layer in zip(self.layers, inner.layers):
+            parts.lora = _layer_lora_parts(layer, parts, names)
+        #: with enable_lora, the worker's adapters (``worker/runner/lora.py``): the
+        #: step's products are added after each projection while ``lora.active``
+        self.lora: Any = None
         self.half_rotary = config.model_type in HALF_ROTARY
         self.rotary_types = sorted({layer.rotary for layer in self.layers if layer.rotary is not None})
 
@@ -267,17 +290,17 @@ class FusedDecoder:
         # (one head of a column view reshapes to a view with the view's row stride)
         return self.rms_norm(x.reshape(-1, dim).contiguous(), norm).view(tokens, -1)
 
-    def mlp(self, x: torch.Tensor, layer: LayerParts) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, layer: LayerParts, lora: StepLoRA | None = None) -> torch.Tensor:
         if layer.moe is not None:
             out = layer.moe(x.unsqueeze(0))
             return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-        gate, up = projections(x, layer.gate_up, layer.gate_up_sizes)
+        gate, up = projections(x, layer.gate_up, layer.gate_up_sizes, lora, layer.lora["gate_up"] if lora else ())
         act = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
         if layer.activation == "silu":
             self.ops.silu_mul(act, gate, up)
         else:
             self.ops.gelu_tanh_mul(act, gate, up)
-        return linear(act, layer.down_proj)
+        return projections(act, (layer.down_proj,), None, lora, layer.lora["down"] if lora else ())[0]
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the tensor ranks of a row-parallel projection's output."""
@@ -309,9 +332,10 @@ class FusedDecoder:
         cache = plan.cache
         head_dim = cache.keys[0].shape[-1]
         out = None  # the previous layer's MLP output, still to be added into h
+        lora = self.lora.active if self.lora is not None else None
         for index, layer in enumerate(self.layers):
             x = self.rms_norm(h, layer.input_norm) if out is None else self.rms_norm(out, layer.input_norm, residual=h)
-            q, k, v = projections(x, layer.qkv, layer.qkv_sizes)
+            q, k, v = projections(x, layer.qkv, layer.qkv_sizes, lora, layer.lora["qkv"] if lora else ())
             if layer.q_norm is not None:
                 q = self.head_norm(q, layer.q_norm, tokens)
             if layer.k_norm is not None:
@@ -320,11 +344,12 @@ class FusedDecoder:
             self.ops.rotary_to_cache(q, k, v, cos, sin, cache.keys[index], cache.values[index], plan.slot_rows)
             a = attend_cached(q.view(tokens, -1, head_dim), plan, index, layer.scaling, layer.sliding_window,
                               layer.softcap, layer.sinks)
-            attn_out = self.reduce(linear(a.reshape(tokens, -1), layer.o_proj))
+            attn_out = self.reduce(projections(a.reshape(tokens, -1), (layer.o_proj,), None, lora,
+                                               layer.lora["o"] if lora else ())[0])
             if layer.post_attn_norm is not None:
                 attn_out = self.rms_norm(attn_out, layer.post_attn_norm)
             x = self.rms_norm(attn_out, layer.pre_mlp_norm, residual=h)
-            out = self.reduce(self.mlp(x, layer))
+            out = self.reduce(self.mlp(x, layer, lora))
             if layer.post_mlp_norm is not None:
                 out = self.rms_norm(out, layer.post_mlp_norm)
         h.add_(out)
@@ -337,6 +362,19 @@ class FusedDecoder:
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+def _layer_lora_parts(layer: nn.Module, parts: LayerParts, names: dict[int, str]) -> dict[str, Parts]:
+    """Where adapters attach in ``layer`` (described as ``parts``), by module name."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+    out = {"qkv": lora_parts(qkv, parts.qkv_sizes, names), "o": lora_parts([attn.o_proj], None, names),
+           "gate_up": (), "down": ()}
+    if parts.moe is None:
+        gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        out["gate_up"] = lora_parts(gate_up, parts.gate_up_sizes, names)
+        out["down"] = lora_parts([mlp.down_proj], None, names)
+    return out
 
 
 def _sliding_window(attn: nn.Module, config: Any) -> int | None:

@@ -28,6 +28,7 @@ from sampler.logits_processor.state import LogitsProcessors
 from sampler.metadata import SamplingMetadata, seeded_generator
 from sampler.params import SamplingParams, SamplingType
 from sampler.thinking_budget import ThinkingBudgetStateHolder
+from worker.lora_adapter import LoRAAdapter
 from worker.protocol import ProtocolError, StepRequest
 from worker.runner.kv_pool import PagedKVCache
 
@@ -48,6 +49,8 @@ class CachedRequest:
     #: in flight this step (``worker/runner/draft_model.py``)
     draft_computed: int = 0
     draft_extra: int = 0
+    #: the LoRA adapter it runs with (None: the base model)
+    lora: LoRAAdapter | None = None
 
 
 @dataclass
@@ -290,7 +293,8 @@ class InputBatch:
         if a.params.sampling_type == SamplingType.RANDOM_SEED:
             draws = a.num_generator_draws if a.num_generator_draws is not None else len(output)
             gen = seeded_generator(a.params.seed, self.device, draws)
-        return CachedRequest(a.request_id, a.params, prompt.tolist(), output.tolist(), gen, a.num_computed_tokens)
+        return CachedRequest(a.request_id, a.params, prompt.tolist(), output.tolist(), gen, a.num_computed_tokens,
+                             lora=a.lora)
 
     def _clear_row(self, row: int) -> None:
         req = self.requests[row]

@@ -15,6 +15,7 @@ import mmap
 from typing import Any, NamedTuple
 
 import numpy as np
+import psutil
 import torch
 
 
@@ -122,3 +123,15 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if prefault:
         pool.zero_()  # torch's fill: over its threads
     return pool.view(dtype).view(shape)
+
+
+def default_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
+    """CUDA: what ``gpu_memory_utilization`` of the GPU leaves after the model (and a
+    reserve for activations); CPU: a quarter of RAM (the driver normally sends each
+    worker its share of its node instead)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        reserve = min(2 * 2**30, int(total * 0.05))
+        return max(0, int(total * gpu_memory_utilization) - used - reserve)
+    return int(psutil.virtual_memory().total * 0.25)

@@ -341,3 +341,20 @@ def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
             if int(v) not in ids:
                 ids.append(int(v))
     return ids
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s weights as loaded: its parameters and buffers, and the
+    quantized layers' codes, scales and offsets (each shared tensor once)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        q = getattr(module, "quantized", None)
+        if q is not None and hasattr(q, "codes"):
+            tensors += [q.codes, q.scales, q.offsets]
+    for t in tensors:
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

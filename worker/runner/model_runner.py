@@ -28,6 +28,7 @@ from worker.protocol import (
     PROTOCOL_VERSION,
     Float32Array,
     Int32Array,
+    ProtocolError,
     RowError,
     StepReply,
     StepRequest,
@@ -46,8 +47,9 @@ from worker.runner.backend import ChooseBackend, StepGraphs, forward_logits, ref
 from worker.runner.draft_model import build_draft, logical_parameters, self_draft_copy
 from worker.runner.families import UnsupportedModel, check_attention_coverage, model_type
 from worker.runner.input_batch import NO_LOGPROBS, InputBatch
-from worker.runner.kv_pool import PagedKVCache, kv_layout
-from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model
+from worker.runner.kv_pool import PagedKVCache, default_kv_budget, kv_layout
+from worker.runner.lora import LoRAManager
+from worker.runner.model_loader import LoadedModel, ModelLoadError, load_model, weight_bytes
 from worker.runner.ngram_proposer import NgramProposer
 from worker.structured_output import GrammarCompiler, StructuredOutputLogitsProcessor
 
@@ -94,7 +96,12 @@ class ModelRunner:
         self.spec = config.speculative
         # A self draft copies the target's weights before its backend repacks them.
         self_copy = self_draft_copy(config, self.loaded) if self.spec is not None and self.spec.self_draft else None
+        # Adapters attach by module name, read before a backend packs or merges the linears.
+        self.lora = (LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                                 self.loaded.dtype, self.device) if config.enable_lora else None)
         self.backend = choose_backend(self.model, self.device, config, self.group)
+        if self.lora is not None:
+            self.lora.attach(self.model, self.backend.decoder)
         self.draft = (build_draft(config, self.loaded, self.num_parameters, choose_backend, self._load_options(config),
                                   self_copy) if self.spec is not None and self.spec.is_draft_model else None)
         self.kv = self._allocate_kv_pool(config)
@@ -187,7 +194,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs, kv_cache_bytes=kv.num_bytes,
             num_spec_tokens=self.config.spec_tokens, num_kv_blocks=kv.num_blocks, kv_block_size=kv.block_size,
             quantized={k: v for k, v in loaded.quantized.items() if k not in ("F32", "F16", "BF16")},
-            weight_bytes=self.weight_bytes,
+            weight_bytes=self.weight_bytes, lora_targets=self.lora.targets if self.lora is not None else {},
         )
 
     @staticmethod
@@ -198,7 +205,7 @@ class ModelRunner:
         bs = config.kv_block_size
         if config.kv_cache_tokens is not None:
             return -(-config.kv_cache_tokens // bs)
-        budget = config.kv_cache_memory_bytes or _default_kv_budget(loaded.device, config.gpu_memory_utilization)
+        budget = config.kv_cache_memory_bytes or default_kv_budget(loaded.device, config.gpu_memory_utilization)
         blocks = min(budget // per_block, rows * -(-(max_len + config.spec_tokens) // bs))
         if blocks < 1:
             raise ModelLoadError(
@@ -241,6 +248,8 @@ class ModelRunner:
         reply's ``timings.prepare`` counts from there."""
         t0 = time.perf_counter() if started is None else started
         self._before_step(step)
+        if self.lora is None and any(a.lora is not None for a in step.added):
+            raise ProtocolError("added: a request names a LoRA adapter, and this worker was loaded without enable_lora")
         try:
             self.batch.apply(step)
             return self._run(step.step_id, step.num_scheduled_tokens.numpy().astype(np.int64), t0)
@@ -294,6 +303,8 @@ class ModelRunner:
         prompt_chunks = self._prompt_logprob_chunks(rows, computed, count, starts)
         keep += [np.arange(s, s + m) for _, s, m, _ in prompt_chunks]
         decode_only = bool(samples.all() and (count == 1).all()) and not prompt_chunks
+        if self.lora is not None and any(batch.requests[r].lora is not None for r in rows.tolist()):
+            decode_only = False  # (the CUDA graphs hold no adapter products)
         if self.graphs is not None and self.graphs.applies(len(rows), decode_only):
             t1 = time.perf_counter()
             logits = self.graphs.run(batch.token_ids[rows, computed], computed, batch.block_table[rows])
@@ -368,7 +379,13 @@ class ModelRunner:
         """The logits ``[len(keep), vocab]`` of the packed positions ``keep`` of one step's
         tokens ``input_ids`` (at the plan's positions); None on a rank of a group that
         does not hold them."""
-        return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
+        if self.lora is None:
+            return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
+        self.lora.begin([r.lora for r in self.batch.requests[: self.batch.batch_size]], plan.host_token_rows)
+        try:
+            return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
+        finally:
+            self.lora.end()
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """Drafts (n-gram or a draft model's) for decoding rows, written past each row's
@@ -556,32 +573,3 @@ class ModelRunner:
             report["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             report["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         return report
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of ``model``'s weights as loaded: its parameters and buffers, and the
-    quantized layers' codes, scales and offsets (each shared tensor once)."""
-    seen: set[int] = set()
-    total = 0
-    tensors = [*model.parameters(), *model.buffers()]
-    for module in model.modules():
-        q = getattr(module, "quantized", None)
-        if q is not None and hasattr(q, "codes"):
-            tensors += [q.codes, q.scales, q.offsets]
-    for t in tensors:
-        if t.device.type != "meta" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _default_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
-    """CUDA: what ``gpu_memory_utilization`` of the GPU leaves after the model (and a
-    reserve for activations); CPU: a quarter of RAM (the driver normally sends each
-    worker its share of its node instead)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        reserve = min(2 * 2**30, int(total * 0.05))
-        return max(0, int(total * gpu_memory_utilization) - used - reserve)
-    return int(psutil.virtual_memory().total * 0.25)

@@ -1,0 +1,168 @@
+"""LoRA adapters through the engine and the HTTP API (one server: the tiny model with
+an adapter from ``--lora-modules`` and the runtime endpoints on): ``LLM.generate`` with
+a list of adapters against transformers + PEFT; each adapter a ``model`` in
+``/v1/models`` and in requests (also as Ray Serve LLM's ``base:adapter``), answers
+equal to ``LLM``'s; load, use, unload and reload while other streams run; hostile
+loads are 4xx and the server stays whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from helpers import TEMPLATE, assert_greedy_equal, generate, served
+from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
+
+from cluster import LLM, LoRARequest
+from sampler.params import SamplingParams
+
+PROMPTS = ["the quick brown fox", "ray schedules actors", "tokens flow through the"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-loras")
+    return {"qv": make_adapter(tiny_model_path, root / "qv", ATTENTION, r=8, alpha=16, seed=21),
+            "all": make_adapter(tiny_model_path, root / "all", ALL_SEVEN, r=4, alpha=8, seed=22)}
+
+
+@pytest.fixture(scope="module")
+def offline(ray_local, tiny_model_path, adapters):
+    """``LLM.generate`` over every prompt under the base model and each adapter, in one
+    call (the rows mixed in its steps)."""
+    llm = LLM(tiny_model_path, enable_lora=True, max_loras=2, max_model_len=256, worker_num_cpus=1)
+    loras = [None, LoRARequest("qv", 1, adapters["qv"]), LoRARequest("all", 2, adapters["all"])]
+    jobs = [(p, lora) for lora in loras for p in PROMPTS]
+    outs = llm.generate([p for p, _ in jobs], GREEDY, lora_request=[lora for _, lora in jobs], use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    llm.shutdown()
+    return {(p, lora.lora_name if lora else None): o.outputs[0] for (p, lora), o in zip(jobs, outs)}, tokenizer
+
+
+def test_generate_with_adapters_equals_peft(offline, tiny_model_path, adapters):
+    results, tokenizer = offline
+    for name in (None, "qv", "all"):
+        model = peft_model(tiny_model_path, adapters.get(name))
+        for p in PROMPTS:
+            ids = tokenizer(p).input_ids
+            ours = list(results[(p, name)].token_ids)
+            assert_greedy_equal(model, ids, ours, generate(model, ids, len(ours)))
+    assert all(results[(p, "qv")].token_ids != results[(p, None)].token_ids for p in PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_model_path, adapters, offline):
+    with served({
+        "model": tiny_model_path, "served_model_name": "tiny", "chat_template": TEMPLATE, "lora_modules": [f"qv={adapters['qv']}"],
+        "allow_runtime_lora_updating": True,
+        "engine": {"max_num_seqs": 8, "max_model_len": 256, "worker_num_cpus": 1, "enable_lora": True, "max_loras": 2},
+    }, "lora") as url:
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+
+
+def _complete(client, model: str, prompt: str) -> str:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.model == model
+    return r.choices[0].text
+
+
+def test_each_adapter_is_a_model_and_answers_as_llm_does(client, offline):
+    results, _ = offline
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "qv"}
+    assert cards["qv"].parent == "tiny" and cards["qv"].root.endswith("qv")
+    for p in PROMPTS:
+        assert _complete(client, "qv", p) == results[(p, "qv")].text
+        assert _complete(client, "tiny", p) == results[(p, None)].text
+    # Ray Serve LLM's form: "<base model>:<adapter>"
+    r = client.completions.create(model="tiny:qv", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == results[(PROMPTS[0], "qv")].text
+    chat = client.chat.completions.create(model="qv", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.model == "qv"
+
+
+def test_load_use_unload_reload_while_other_streams_run(server, adapters, offline):
+    results, _ = offline
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            async def stream(model: str, prompt: str) -> str:
+                body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                        "stream": True}
+                text = ""
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            import json
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                return text
+
+            async def load_use_unload() -> None:
+                r = await http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": adapters["all"]})
+                assert r.status_code == 200, r.text
+                for p in PROMPTS:
+                    assert await stream("all", p) == results[(p, "all")].text
+                assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "all"})).status_code == 200
+                r = await http.post("/v1/completions", json={"model": "all", "prompt": "x", "max_tokens": 2})
+                assert r.status_code == 404 and "all" in r.json()["error"]["message"]
+                r = await http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": adapters["all"]})
+                assert r.status_code == 200
+                assert await stream("all", PROMPTS[1]) == results[(PROMPTS[1], "all")].text
+
+            others = [stream(m, p) for m in ("tiny", "qv") for p in PROMPTS * 2]
+            got = await asyncio.gather(load_use_unload(), *others)
+            for (m, p), text in zip([(m, p) for m in ("tiny", "qv") for p in PROMPTS * 2], got[1:]):
+                assert text == results[(p, None if m == "tiny" else "qv")].text
+            assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "all"})).status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_hostile_loads_are_4xx_and_the_server_stays_whole(server, client, adapters, tmp_path, offline):
+    results, _ = offline
+    (tmp_path / "notpeft").mkdir()
+    (tmp_path / "notpeft" / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    cases = [
+        ({"lora_name": "x", "lora_path": str(tmp_path / "missing")}, 400, "is not a folder"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "notpeft")}, 400, "only LORA adapters"),
+        ({"lora_name": "../x", "lora_path": adapters["all"]}, 400, "lora_name"),
+        ({"lora_name": "a/b", "lora_path": adapters["all"]}, 400, "lora_name"),
+        ({"lora_name": "qv", "lora_path": adapters["all"]}, 400, "already been loaded"),
+        ({"lora_name": "tiny", "lora_path": adapters["all"]}, 400, "already been loaded"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+        ({"lora_name": "x", "lora_path": adapters["all"], "base_model_name": "other"}, 400, "not served"),
+    ]
+    for body, status, message in cases:
+        r = httpx.post(f"{server}/v1/load_lora_adapter", json=body, timeout=30)
+        assert r.status_code == status and message in r.text, (body, r.status_code, r.text)
+    r = httpx.post(f"{server}/v1/load_lora_adapter", content=b"\xff\xfe{", timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "never"}, timeout=30)
+    assert r.status_code == 404 and "never" in r.text
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert {m.id for m in client.models.list().data} == {"tiny", "qv"}
+    assert _complete(client, "qv", PROMPTS[2]) == results[(PROMPTS[2], "qv")].text
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+
+
+def test_runtime_endpoints_are_off_unless_allowed(tiny_model_path):
+    from deploy.lora_adapters import AdapterTable, runtime_updates_allowed
+    from deploy.server_args import ServerArgs
+
+    assert not AdapterTable(["m"], [], runtime_updates_allowed(False)).runtime_updates
+    with pytest.raises(ValueError, match="need the engine's enable_lora"):
+        ServerArgs(model=tiny_model_path, lora_modules=["a=/x"])
+    with pytest.raises(ValueError, match="not name=path"):
+        ServerArgs(model=tiny_model_path, lora_modules=["a"], engine={"enable_lora": True})

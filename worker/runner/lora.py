@@ -1,0 +1,182 @@
+"""LoRA adapters on a worker: the loaded ones, and each step's products over its rows.
+
+A step's packed tokens belong to rows, each row to one adapter or to the base model. An
+adapted linear adds ``B (A x)`` (B scaled at load) to the base layer's output, computed
+per adapter over its tokens: the shrink ``x_a A^T`` over the projections that read the
+same input at once (A of q, k and v stacked: one matmul), then one expand per
+projection into its columns of the output (S-LoRA's / Punica's shrink and expand, as
+grouped torch ops: one pair per adapter in the step, never per row). The base weights
+stay as they are: packed, merged, quantized; adapters stay in float beside them.
+
+Two paths run it: the fused CPU decoder calls ``StepLoRA.add`` after its projections
+(``worker/cpu/fused_decoder.py``); the transformers forward gets a forward hook on each
+adaptable linear. Loaded adapters are kept by id, the least recently used dropped past
+``max_cpu_loras`` (never one a row still uses); the driver keeps a batch's distinct
+adapters within ``max_loras``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from worker.lora_adapter import ATTACHABLE, LoRAAdapter, LoRAAdapterError, read_adapter
+
+logger = logging.getLogger("raydecode")
+
+#: a group of projections that read one input: (module name, output index, first
+#: column, width) per projection, ``output index`` into the outputs the caller passes
+Parts = tuple[tuple[str, int, int, int], ...]
+
+
+def adaptable_linears(model: nn.Module) -> dict[str, list[int]]:
+    """module name -> [in, out] of every linear an adapter may attach to (a decoder
+    layer's projections; not experts of a mixture-of-experts block)."""
+    out = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in ATTACHABLE and ".experts." not in f".{name}." and hasattr(module, "in_features"):
+            out[name] = [int(module.in_features), int(module.out_features)]
+    return out
+
+
+class LoadedAdapter:
+    """One adapter's weights, and its projections stacked per group of ``Parts``."""
+
+    def __init__(self, spec: LoRAAdapter, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.spec = spec
+        self.weights = weights
+        self._groups: dict[Parts, Any] = {}
+
+    def group(self, parts: Parts) -> tuple[torch.Tensor, list[tuple[int, int, int, int, int, torch.Tensor]]] | None:
+        """For the projections ``parts``: A of those it adapts stacked ``[R, in]``, and
+        per adapted projection (output index, first column, width, its rows of R, B);
+        None when it adapts none of them."""
+        if parts in self._groups:
+            return self._groups[parts]
+        a_list, expands, r = [], [], 0
+        for name, out_index, first, width in parts:
+            pair = self.weights.get(name)
+            if pair is None:
+                continue
+            a, b = pair
+            expands.append((out_index, first, width, r, r + a.shape[0], b))
+            a_list.append(a)
+            r += a.shape[0]
+        found = (torch.cat(a_list).contiguous(), expands) if a_list else None
+        self._groups[parts] = found
+        return found
+
+
+class StepLoRA:
+    """One step's adapters: each with the packed tokens of its rows (None: all)."""
+
+    def __init__(self, groups: list[tuple[LoadedAdapter, torch.Tensor | None]]) -> None:
+        self.groups = groups
+
+    def add(self, parts: Parts, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Adds each adapter's products to ``outs`` (the base projections' outputs of
+        ``x`` ``[T, in]``, each ``[T, width]``), in place."""
+        for adapter, idx in self.groups:
+            group = adapter.group(parts)
+            if group is None:
+                continue
+            a, expands = group
+            xs = x if idx is None else x.index_select(0, idx)
+            shrunk = torch.mm(xs, a.t())
+            for out_index, first, width, r0, r1, b in expands:
+                delta = torch.mm(shrunk[:, r0:r1], b.t())
+                dst = outs[out_index][:, first : first + width]
+                if idx is None:
+                    dst.add_(delta)
+                else:
+                    dst.index_add_(0, idx, delta)
+
+
+class LoRAManager:
+    """The worker's adapters: loaded on a row's first use, kept by id (LRU past
+    ``max_cpu_loras``), and the current step's ``StepLoRA`` (``active``)."""
+
+    def __init__(self, model: nn.Module, max_rank: int, max_loaded: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.targets = adaptable_linears(model)
+        self.max_rank = max_rank
+        self.max_loaded = max_loaded
+        self.dtype, self.device = dtype, device
+        self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        #: the step running now (None: no row of it has an adapter)
+        self.active: StepLoRA | None = None
+        self.num_loads = 0
+
+    def attach(self, model: nn.Module, decoder: Any) -> None:
+        """Both paths read ``active``: the transformers forward through a hook on each
+        adaptable linear (adding the step's products to its output), a backend's own
+        decoder (``decoder.lora``) where it runs the layers itself."""
+        for name, module in model.named_modules():
+            if name in self.targets:
+                module.register_forward_hook(self._hook(name, self.targets[name][1]))
+        if decoder is not None:
+            if not hasattr(decoder, "lora"):
+                raise LoRAAdapterError(f"enable_lora: the {type(decoder).__name__} path runs no adapters")
+            decoder.lora = self
+
+    def _hook(self, name: str, width: int) -> Any:
+        parts: Parts = ((name, 0, 0, width),)
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            step = self.active
+            if step is not None:
+                x = args[0]
+                step.add(parts, x.reshape(-1, x.shape[-1]), (out.view(-1, width),))
+        return hook
+
+    def adapter(self, spec: LoRAAdapter, in_use: set[int]) -> LoadedAdapter:
+        """``spec``'s weights, loaded now if they are not (``in_use``: ids a row holds,
+        never dropped to make room)."""
+        have = self.loaded.get(spec.id)
+        if have is not None and have.spec == spec:
+            self.loaded.move_to_end(spec.id)
+            return have
+        try:
+            weights = read_adapter(spec.path, self.max_rank, self.targets, self.dtype, self.device)
+        except (LoRAAdapterError, OSError) as exc:
+            raise RuntimeError(f"LoRA adapter {spec.name!r} (id {spec.id}) failed to load: {exc}") from None
+        self.num_loads += 1
+        loaded = LoadedAdapter(spec, weights)
+        self.loaded[spec.id] = loaded
+        self.loaded.move_to_end(spec.id)
+        for old in [k for k in self.loaded if k not in in_use and k != spec.id][: max(0, len(self.loaded) - self.max_loaded)]:
+            del self.loaded[old]
+        logger.info("LoRA adapter %r (id %d) loaded from %s", spec.name, spec.id, spec.path)
+        return loaded
+
+    def begin(self, specs: list[LoRAAdapter | None], token_rows: np.ndarray) -> StepLoRA | None:
+        """Sets ``active`` for a step whose packed tokens belong to ``token_rows`` (rows of
+        the batch, whose adapters are ``specs``); None when no token has one."""
+        ids = np.array([0 if s is None else s.id for s in specs], dtype=np.int64)
+        per_token = ids[token_rows]
+        present = np.unique(per_token)
+        present = present[present != 0]
+        if len(present) == 0:
+            self.active = None
+            return None
+        in_use = {int(i) for i in np.unique(ids) if i}
+        by_id = {s.id: s for s in specs if s is not None}
+        groups = []
+        for adapter_id in present.tolist():
+            loaded = self.adapter(by_id[adapter_id], in_use)
+            if len(present) == 1 and (per_token == adapter_id).all():
+                groups.append((loaded, None))
+            else:
+                idx = torch.from_numpy(np.flatnonzero(per_token == adapter_id)).to(self.device)
+                groups.append((loaded, idx))
+        self.active = StepLoRA(groups)
+        return self.active
+
+    def end(self) -> None:
+        self.active = None
