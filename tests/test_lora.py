@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_equal, generate, make_worker, prompts
-from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
-from worker_driver import MiniDriver
 
 from cluster.lora import LoRARegistry, LoRARequest
+from helpers import assert_greedy_equal, generate, make_worker, prompts
+from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
 from sampler.params import SamplingParams
 from worker import LoRAAdapter, LoRAAdapterError, inspect_adapter
 from worker.lora_adapter import read_adapter
+from worker_driver import MiniDriver
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -12,10 +12,10 @@ import asyncio
 import httpx
 import openai
 import pytest
-from helpers import TEMPLATE, assert_greedy_equal, generate, served
-from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
 
 from cluster import LLM, LoRARequest
+from helpers import TEMPLATE, assert_greedy_equal, generate, served
+from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
 from sampler.params import SamplingParams
 
 PROMPTS = ["the quick brown fox", "ray schedules actors", "tokens flow through the"]

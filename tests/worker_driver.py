@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from sampler.params import SamplingParams
 from worker.protocol import (

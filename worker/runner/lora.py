@@ -30,6 +30,8 @@ from worker.lora_adapter import ATTACHABLE, LoRAAdapter, LoRAAdapterError, read_
 
 logger = logging.getLogger("raydecode")
 
+#: sets of a step's adapters whose stacked weights are kept (steady batches reuse them)
+MAX_STACKED_SETS = 4
 #: a group of projections that read one input: (module name, output index, first
 #: column, width) per projection, ``output index`` into the outputs the caller passes
 Parts = tuple[tuple[str, int, int, int], ...]
@@ -75,28 +77,98 @@ class LoadedAdapter:
 
 
 class StepLoRA:
-    """One step's adapters: each with the packed tokens of its rows (None: all)."""
+    """One step's adapters: each with the packed tokens of its rows (None: all).
 
-    def __init__(self, groups: list[tuple[LoadedAdapter, torch.Tensor | None]]) -> None:
+    With several adapters in the step their tokens run together: gathered into one
+    padded block per adapter (``[adapters, most tokens of one, in]``), each group of
+    projections as one batched shrink and one batched expand per projection over the
+    adapters' stacked weights (ranks padded with zeros), the products added back into
+    the tokens' rows: a handful of calls per layer however many adapters there are."""
+
+    def __init__(self, groups: list[tuple[LoadedAdapter, torch.Tensor | None]],
+                 stacked: dict[Parts, Any] | None = None) -> None:
+        """``stacked``: the stacked weights of earlier steps with the same adapters in
+        the same order (kept by ``LoRAManager``), filled as the layers ask."""
         self.groups = groups
+        self._stacked: dict[Parts, Any] = {} if stacked is None else stacked
+        if len(groups) > 1:
+            counts = [len(idx) for _, idx in groups]
+            width = max(counts)
+            # padded slot (adapter a, position j) -> the token it holds (pads repeat one)
+            gather = torch.zeros(len(groups) * width, dtype=torch.long)
+            valid = []
+            for a, (_, idx) in enumerate(groups):
+                gather[a * width : a * width + len(idx)] = idx.cpu()
+                valid.append(torch.arange(a * width, a * width + len(idx)))
+            self.width = width
+            self.gather = gather.to(groups[0][1].device)
+            self.valid = torch.cat(valid).to(self.gather.device)
+            self.tokens = torch.cat([idx for _, idx in groups])
 
     def add(self, parts: Parts, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Adds each adapter's products to ``outs`` (the base projections' outputs of
         ``x`` ``[T, in]``, each ``[T, width]``), in place."""
-        for adapter, idx in self.groups:
-            group = adapter.group(parts)
-            if group is None:
-                continue
-            a, expands = group
-            xs = x if idx is None else x.index_select(0, idx)
-            shrunk = torch.mm(xs, a.t())
-            for out_index, first, width, r0, r1, b in expands:
-                delta = torch.mm(shrunk[:, r0:r1], b.t())
-                dst = outs[out_index][:, first : first + width]
-                if idx is None:
-                    dst.add_(delta)
-                else:
-                    dst.index_add_(0, idx, delta)
+        if len(self.groups) > 1:
+            self._add_batched(parts, x, outs)
+            return
+        adapter, idx = self.groups[0]
+        group = adapter.group(parts)
+        if group is None:
+            return
+        a, expands = group
+        xs = x if idx is None else x.index_select(0, idx)
+        shrunk = torch.mm(xs, a.t())
+        for out_index, first, width, r0, r1, b in expands:
+            delta = torch.mm(shrunk[:, r0:r1], b.t())
+            dst = outs[out_index][:, first : first + width]
+            if idx is None:
+                dst.add_(delta)
+            else:
+                dst.index_add_(0, idx, delta)
+
+    def _stack(self, parts: Parts, like: torch.Tensor) -> Any:
+        """The step's adapters' weights for ``parts``, stacked: A ``[adapters, in, R]``
+        (each part's rows at its offset, padded to the part's largest rank) and per part
+        (output index, first column, width, its rows of R, B ``[adapters, r, width]``);
+        None when no adapter adapts any of them."""
+        if parts in self._stacked:
+            return self._stacked[parts]
+        per_part = []
+        for name, out_index, first, width in parts:
+            pairs = [adapter.weights.get(name) for adapter, _ in self.groups]
+            rank = max((p[0].shape[0] for p in pairs if p is not None), default=0)
+            if rank:
+                per_part.append((out_index, first, width, rank, pairs))
+        if not per_part:
+            self._stacked[parts] = None
+            return None
+        n, d_in = len(self.groups), like.shape[-1]
+        total = sum(rank for *_, rank, _ in per_part)
+        a_all = like.new_zeros(n, d_in, total)
+        expands, r0 = [], 0
+        for out_index, first, width, rank, pairs in per_part:
+            b_all = like.new_zeros(n, rank, width)
+            for i, pair in enumerate(pairs):
+                if pair is not None:
+                    a, b = pair
+                    a_all[i, :, r0 : r0 + a.shape[0]] = a.t()
+                    b_all[i, : a.shape[0]] = b.t()
+            expands.append((out_index, first, width, r0, r0 + rank, b_all))
+            r0 += rank
+        self._stacked[parts] = (a_all, expands)
+        return self._stacked[parts]
+
+    def _add_batched(self, parts: Parts, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        stacked = self._stack(parts, x)
+        if stacked is None:
+            return
+        a_all, expands = stacked
+        n = len(self.groups)
+        xs = x.index_select(0, self.gather).view(n, self.width, -1)
+        shrunk = torch.bmm(xs, a_all)  # [adapters, width, R]
+        for out_index, first, width, r0, r1, b_all in expands:
+            delta = torch.bmm(shrunk[:, :, r0:r1], b_all).view(n * self.width, width).index_select(0, self.valid)
+            outs[out_index][:, first : first + width].index_add_(0, self.tokens, delta)
 
 
 class LoRAManager:
@@ -109,6 +181,8 @@ class LoRAManager:
         self.max_loaded = max_loaded
         self.dtype, self.device = dtype, device
         self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        #: stacked weights per ordered set of adapters in a step (the last few sets)
+        self._stacks: OrderedDict[tuple[int, ...], dict[Parts, Any]] = OrderedDict()
         #: the step running now (None: no row of it has an adapter)
         self.active: StepLoRA | None = None
         self.num_loads = 0
@@ -152,6 +226,7 @@ class LoRAManager:
         self.loaded.move_to_end(spec.id)
         for old in [k for k in self.loaded if k not in in_use and k != spec.id][: max(0, len(self.loaded) - self.max_loaded)]:
             del self.loaded[old]
+        self._stacks = OrderedDict((k, v) for k, v in self._stacks.items() if spec.id not in k)
         logger.info("LoRA adapter %r (id %d) loaded from %s", spec.name, spec.id, spec.path)
         return loaded
 
@@ -175,7 +250,13 @@ class LoRAManager:
             else:
                 idx = torch.from_numpy(np.flatnonzero(per_token == adapter_id)).to(self.device)
                 groups.append((loaded, idx))
-        self.active = StepLoRA(groups)
+        key = tuple(loaded.spec.id for loaded, _ in groups)
+        stacked = self._stacks.setdefault(key, {}) if len(groups) > 1 else None
+        if stacked is not None:
+            self._stacks.move_to_end(key)
+            while len(self._stacks) > MAX_STACKED_SETS:
+                self._stacks.popitem(last=False)
+        self.active = StepLoRA(groups, stacked)
         return self.active
 
     def end(self) -> None:
