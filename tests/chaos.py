@@ -660,6 +660,7 @@ class SoakSettings:
     fault_every_s: float = 180.0
     concurrency: int = 8
     faults: tuple[str, ...] = ("worker SIGKILL", "node removal")  # injected in turn
+    min_faults: int = 0  # faults injected even past ``duration_s`` (each still waits for its turn and for green)
     timeout_s: float = 120.0  # one request, whole
     green_deadline_s: float = 180.0  # a fault's replacement is live within this
     seed: int = 0
@@ -738,7 +739,8 @@ def soak(cl: ChaosCluster, url: str, pool: list[Spec], expected: dict[str, tuple
     """Closed-loop load over ``pool`` (each request a fresh id) for ``s.duration_s``;
     after ``s.warmup_s`` the first sample (new requests held back meanwhile), then a
     fault every ``s.fault_every_s`` (each waits for ``/health`` green before the next is
-    due), at the end the last sample. Every answer is checked against ``expected``.
+    due; at least ``s.min_faults`` of them, past the duration if need be), at the end
+    the last sample. Every answer is checked against ``expected``.
     Call from the main thread (node removal adds a node)."""
     assert cl.app_args is not None and cl.app_args.get("num_replicas", 1) == 1
     num_workers = cl.app_args["num_workers"]
@@ -779,7 +781,11 @@ def soak(cl: ChaosCluster, url: str, pool: list[Spec], expected: dict[str, tuple
         pause(s.warmup_s)
         snapshot("after warm-up")
         due = time.monotonic() + s.fault_every_s
-        while due < end:
+
+        def another_fault() -> bool:
+            return due < end or len(faults) < s.min_faults
+
+        while another_fault():
             pause(due - time.monotonic())
             _, state = health(url)
             fault = INJECT[s.faults[len(faults) % len(s.faults)]](cl, rng)
@@ -790,7 +796,7 @@ def soak(cl: ChaosCluster, url: str, pool: list[Spec], expected: dict[str, tuple
             log(f"[{fault.at - start:6.0f} s] {fault.kind}: {fault.detail}; green again after "
                 f"{fault.green_after_s:.1f} s; {progress.done} answers so far, {progress.failed} failed")
             due = fault.at + s.fault_every_s
-            if due < end:  # the trend, between the two samples that count
+            if another_fault():  # the trend, between the two samples that count
                 snapshot(f"after fault {len(faults)} ({fault.kind})")
         pause(end - time.monotonic())
         snapshot("end", last=True)

@@ -82,12 +82,21 @@ def app_args(model: str, max_num_seqs: int = 8, **extra) -> dict:
             "runtime_env": {"env_vars": {"PYTHONPATH": path}}, "graceful_shutdown_timeout_s": 60, **extra}
 
 
-@pytest.fixture
-def server(ray_local):
+@pytest.fixture(scope="module")
+def _serve_running(ray_local):
+    """Serve (its controller and proxy), started once for the module's tests."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
+
+
+@pytest.fixture
+def server(_serve_running):
+    """Each test deploys the app anew: the one a test left is deleted after it (its
+    replicas gone before the next test deploys)."""
+    yield _serve_running
+    serve.delete(APP)
 
 
 PROMPTS = [f"scaling prompt {i}: the quick brown fox" for i in range(6)]
