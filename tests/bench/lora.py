@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     model = args.model  # None: the embedded model
-    worker = make_worker(model, enable_lora=True, max_loras=32, max_cpu_loras=40, max_lora_rank=16,
+    worker = make_worker(model, enable_lora=True, max_loras=32, max_cpu_loras=48, max_lora_rank=16,
                          max_num_seqs=args.rows, max_model_len=512)
     targets = worker._runner.lora.targets
     vocab = worker._runner.loaded.vocab_size
@@ -89,9 +89,9 @@ def main() -> None:
     t0 = time.perf_counter()
     worker._runner.lora.adapter(configs["8 adapters, q/v r16"][0], set())
     load_ms = (time.perf_counter() - t0) * 1e3
-    run(worker, ps[:4], base[:4], 4, args.rows)  # warm-up
+    run(worker, ps, base, 4, args.rows)  # warm-up: every adapter loaded before the timed runs
     for loras in configs.values():
-        run(worker, ps[:4], loras[:4], 4, args.rows)
+        run(worker, ps, loras, 4, args.rows)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, loras in configs.items():

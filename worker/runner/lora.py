@@ -232,7 +232,10 @@ class LoRAManager:
 
     def begin(self, specs: list[LoRAAdapter | None], token_rows: np.ndarray) -> StepLoRA | None:
         """Sets ``active`` for a step whose packed tokens belong to ``token_rows`` (rows of
-        the batch, whose adapters are ``specs``); None when no token has one."""
+        the batch, whose adapters are ``specs``); None when no token has one. With
+        several adapters the step's groups are those of every row the batch holds (some
+        may run no token this step), so the stacked weights stay the same from step to
+        step until an adapter joins or leaves the batch."""
         ids = np.array([0 if s is None else s.id for s in specs], dtype=np.int64)
         per_token = ids[token_rows]
         present = np.unique(per_token)
@@ -240,17 +243,17 @@ class LoRAManager:
         if len(present) == 0:
             self.active = None
             return None
-        in_use = {int(i) for i in np.unique(ids) if i}
+        held = np.unique(ids)
+        held = held[held != 0]
+        in_use = set(held.tolist())
         by_id = {s.id: s for s in specs if s is not None}
-        groups = []
-        for adapter_id in present.tolist():
-            loaded = self.adapter(by_id[adapter_id], in_use)
-            if len(present) == 1 and (per_token == adapter_id).all():
-                groups.append((loaded, None))
-            else:
-                idx = torch.from_numpy(np.flatnonzero(per_token == adapter_id)).to(self.device)
-                groups.append((loaded, idx))
-        key = tuple(loaded.spec.id for loaded, _ in groups)
+        if len(present) == 1 and (per_token == present[0]).all():  # one adapter, every token
+            self.active = StepLoRA([(self.adapter(by_id[int(present[0])], in_use), None)])
+            return self.active
+        ids_in_step = held if len(held) > 1 else present
+        groups = [(self.adapter(by_id[i], in_use),
+                   torch.from_numpy(np.flatnonzero(per_token == i)).to(self.device)) for i in ids_in_step.tolist()]
+        key = tuple(int(i) for i in ids_in_step)
         stacked = self._stacks.setdefault(key, {}) if len(groups) > 1 else None
         if stacked is not None:
             self._stacks.move_to_end(key)
