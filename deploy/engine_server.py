@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,6 +51,8 @@ from deploy.openai.tools import ApiOptions
 from deploy.timeline import TimelineLog
 from sampler.params import StructuredOutputsParams, check_text
 from worker import inspect_adapter
+
+logger = logging.getLogger("ray.serve")
 
 
 async def _run_all(awaitables: list[Any]) -> list[Any]:
@@ -167,6 +170,7 @@ class EngineServer:
             max_prompt_chars=self.llm.engine.prompt_budget.max_chars,
         )
         self._check_lora_modules()
+        self._served_adapter = self._adapter_reporter()
         self.timeline = TimelineLog(self.args.request_timeline)
         if self.timeline.enabled:
             self.llm.engine.on_step = self._trace_step
@@ -242,6 +246,8 @@ class EngineServer:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than the server's "
                                 f"max_sequences_per_request={engine.config.max_sequences_per_request}",
                            "BadRequestError", "prompt")
+        if lora is not None:
+            await self._report_adapter(lora.get("model", lora["name"]))
         rid = new_id("req")  # engine ids are ours alone, whatever id the client gave
         requests = []
         for i, prompt in enumerate(prompts):
@@ -369,6 +375,28 @@ class EngineServer:
     def _lora_request(lora: dict[str, Any] | None) -> LoRARequest | None:
         return None if lora is None else LoRARequest(lora["name"], lora["id"], lora["path"])
 
+    def _adapter_reporter(self) -> Callable[[str], Awaitable[Any]] | None:
+        """With adapters: Serve's model multiplexing over this replica's adapters (the
+        last ``max_cpu_loras`` it served), which Serve's routers read to send an
+        adapter's requests to a replica that has it loaded."""
+        config = self.llm.engine.config
+        if not config.enable_lora:
+            return None
+        from ray import serve
+
+        async def adapter(model_id: str) -> dict[str, str]:
+            return {"adapter": model_id}  # (the workers load the weights; this records the name)
+
+        return serve.multiplexed(max_num_models_per_replica=config.max_cpu_loras or config.max_loras)(adapter)
+
+    async def _report_adapter(self, name: str) -> None:
+        if self._served_adapter is None:
+            return
+        try:
+            await self._served_adapter(name)
+        except Exception as exc:  # outside a Serve replica (an EngineServer built directly): nothing to report
+            logger.debug("adapter %s not reported to Serve: %s", name, exc)
+
     def _check_lora_modules(self) -> None:
         """The server's ``lora_modules`` checked at start: a bad folder stops the replica,
         naming it."""
@@ -470,7 +498,7 @@ class EngineServer:
     async def _completions(self, body: CompletionRequest, request_id: str | None,
                            lora: dict[str, Any] | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()
-        model = self.model_name if lora is None else lora["name"]
+        model = self.model_name if lora is None else lora.get("model", lora["name"])
         try:  # schemas are checked here: off the event loop
             params = await self.llm.run_off_loop(body.sampling_params, self.api_options)
             prompts = body.prompts()
@@ -505,7 +533,7 @@ class EngineServer:
     async def _chat(self, body: ChatCompletionRequest, request_id: str | None,
                     lora: dict[str, Any] | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()
-        model = self.model_name if lora is None else lora["name"]
+        model = self.model_name if lora is None else lora.get("model", lora["name"])
         try:
             def prepare() -> tuple[Any, list[dict[str, Any]]]:  # schemas are checked here: off the event loop
                 params = body.sampling_params(self.api_options)

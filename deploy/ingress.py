@@ -44,6 +44,7 @@ from deploy.lora_adapters import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
     runtime_updates_allowed,
+    wire,
 )
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, bad_request, error_body
@@ -178,7 +179,8 @@ class OpenAIIngress:
         lora = lora or {}
         #: the LoRA adapters, each a ``model`` of its own (deploy/lora_adapters.py)
         self.adapters = AdapterTable(list(self.engines), lora.get("modules", []),
-                                     runtime_updates_allowed(lora.get("runtime_updates", False)))
+                                     runtime_updates_allowed(lora.get("runtime_updates", False)), lora.get("dynamic"))
+        self._lora_loading = asyncio.Lock()
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -197,6 +199,29 @@ class OpenAIIngress:
         """The handle serving ``model``, and the LoRA adapter it names (None: none)."""
         model, lora = self.adapters.resolve(model)
         return self._base_engine(model), lora
+
+    async def _target_loading(self, model: str | None) -> tuple[Any, dict[str, Any] | None]:
+        """``_target``, after loading ``"<model>:<adapter>"`` from its model's dynamic
+        loading folder on first use (checked by an engine replica of that model): a
+        missing folder is the unknown model's 404, a bad one a 400."""
+        if self.adapters.dynamic_candidate(model) is not None:
+            async with self._lora_loading:
+                candidate = self.adapters.dynamic_candidate(model)  # (another request may have loaded it)
+                if candidate is not None:
+                    name, folder, base = candidate
+                    entry = self.adapters.add(name, folder, base, model)
+                    reply = None
+                    try:
+                        reply = await self._call(self.engines[base], "check_lora", wire(entry))
+                    finally:
+                        if reply is None or reply.status != 200:
+                            self.adapters.adapters.pop(model, None)
+                    if reply.status != 200:
+                        message = reply.body.get("error", {}).get("message", "")
+                        if "is not a folder" in message:
+                            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+                        raise APIError(reply.status, message, "BadRequestError", "model")
+        return self._target(model)
 
     def _base_engine(self, model: str | None) -> Any:
         if model is None and len(self.engines) == 1:
@@ -225,8 +250,11 @@ class OpenAIIngress:
                     lora: dict[str, Any] | None = None) -> tuple[Any, Reply]:
         """A generation call's stream and its first item (``Reply``: what the response is)."""
         stream = None
+        # An adapter's requests go preferably to a replica that has it loaded (Serve's
+        # model multiplexing: the engine replica reports the adapters it served).
+        options = {"stream": True} if lora is None else {"stream": True, "multiplexed_model_id": lora["model"]}
         try:
-            stream = getattr(handle.options(stream=True), method).remote(body, request_id, lora)
+            stream = getattr(handle.options(**options), method).remote(body, request_id, lora)
             return stream, await stream.__anext__()
         except (BackPressureError, *ENGINE_GONE) as exc:
             _cancel(stream)
@@ -239,7 +267,7 @@ class OpenAIIngress:
         """A generation call to the engine serving ``body.model``: the engine's first
         item says what the response is; a stream relays the rest as it comes."""
         started = time.time()
-        handle, lora = self._target(body.model)
+        handle, lora = await self._target_loading(body.model)
         key = body.request_id or request_id if self.timeline.enabled else None
         stream, head = await self._open(handle, method, body, request_id, lora)
         trace = None if key is None else {"stage": "ingress", "id": key, "in": started, "head": time.time(),
@@ -339,8 +367,7 @@ class OpenAIIngress:
             raise APIError(400, str(exc), "BadRequestError", "lora_name") from None
         reply = None
         try:
-            reply = await self._call(self.engines[entry["engine"]], "check_lora",
-                                     {k: entry[k] for k in ("name", "id", "path")})
+            reply = await self._call(self.engines[entry["engine"]], "check_lora", wire(entry))
         finally:
             if (reply is None or reply.status != 200) and table.get(body.lora_name) is entry:
                 del table[body.lora_name]  # refused (or the call failed): the table as it was
@@ -399,7 +426,7 @@ class OpenAIIngress:
         """A response to ``input`` (after ``previous_response_id``'s conversation), as
         the engine's chat answer."""
         self._check_key(raw)
-        handle, lora = self._target(body.model)
+        handle, lora = await self._target_loading(body.model)
         history = self._stored(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id is not None else []
         try:

@@ -84,12 +84,22 @@ def parse_lora_module(entry: Any) -> dict[str, str | None]:
     return {"name": entry["name"], "path": entry["path"], "base_model_name": base}
 
 
+def wire(entry: dict[str, Any]) -> dict[str, Any]:
+    """What an engine replica is told of an entry: the adapter (name, id, folder) and
+    the ``model`` the request named it by (its answers echo that)."""
+    return {k: entry[k] for k in ("name", "id", "path", "model")}
+
+
 class AdapterTable:
     """The adapters the ingress serves, by name (``engines``: the served base models)."""
 
-    def __init__(self, engines: list[str], modules: list[dict[str, Any]], runtime_updates: bool) -> None:
+    def __init__(self, engines: list[str], modules: list[dict[str, Any]], runtime_updates: bool,
+                 dynamic: dict[str, str] | None = None) -> None:
+        """``dynamic``: per served model, the folder whose ``<adapter>/`` a request for
+        ``"<model>:<adapter>"`` loads on first use (Ray Serve LLM's lora_config)."""
         self.engines = engines
         self.runtime_updates = runtime_updates
+        self.dynamic = dynamic or {}
         self.adapters: dict[str, dict[str, Any]] = {}
         self._loads = itertools.count(1)
         for module in modules:
@@ -105,16 +115,19 @@ class AdapterTable:
                              f"{sorted(self.engines)})")
         return base_model_name
 
-    def add(self, name: str, path: str, base_model_name: str | None = None) -> dict[str, Any]:
-        """A new entry (ValueError for a bad name, a taken one, an unknown base)."""
+    def add(self, name: str, path: str, base_model_name: str | None = None, model: str | None = None
+            ) -> dict[str, Any]:
+        """A new entry (ValueError for a bad name, a taken one, an unknown base);
+        ``model``: the ``model`` requests name it by (default: its name)."""
         check_adapter_name(name)
-        if name in self.adapters or name in self.engines:
-            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        model = model or name
+        if model in self.adapters or model in self.engines:
+            raise ValueError(f"The lora adapter '{model}' has already been loaded.")
         load = next(self._loads)
         adapter_id = zlib.crc32(f"{name}\x00{path}\x00{load}\x00{time.time_ns()}".encode()) & 0x7FFFFFFF or 1
-        entry = {"name": name, "id": adapter_id, "path": os.path.abspath(path), "engine": self._base(base_model_name),
-                 "created": int(time.time())}
-        self.adapters[name] = entry
+        entry = {"name": name, "model": model, "id": adapter_id, "path": os.path.abspath(path),
+                 "engine": self._base(base_model_name), "created": int(time.time())}
+        self.adapters[model] = entry
         return entry
 
     def remove(self, name: str) -> dict[str, Any]:
@@ -136,10 +149,25 @@ class AdapterTable:
                 entry = None
         if entry is None:
             return model, None
-        return entry["engine"], {k: entry[k] for k in ("name", "id", "path")}
+        return entry["engine"], wire(entry)
+
+    def dynamic_candidate(self, model: str | None) -> tuple[str, str, str] | None:
+        """For a ``"<model>:<adapter>"`` not yet in the table whose model loads adapters
+        dynamically: (the adapter's name, its folder, the model); else None."""
+        if model is None or model in self.adapters or ":" not in model:
+            return None
+        base, _, name = model.rpartition(":")
+        folder = self.dynamic.get(base)
+        if folder is None:
+            return None
+        try:
+            check_adapter_name(name)
+        except LoRAAdapterError as exc:
+            raise APIError(400, f"model: {exc}", "BadRequestError", "model") from None
+        return name, os.path.join(folder, name), base
 
     def cards(self) -> list[dict[str, Any]]:
         """The adapters' entries in ``/v1/models`` (vLLM's: ``parent`` the base model,
         ``root`` the folder)."""
-        return [{"id": a["name"], "object": "model", "created": a["created"], "owned_by": "raydecode",
+        return [{"id": a["model"], "object": "model", "created": a["created"], "owned_by": "raydecode",
                  "root": a["path"], "parent": a["engine"]} for a in self.adapters.values()]

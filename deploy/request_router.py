@@ -297,6 +297,9 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             keys = []
             if pending_request.metadata.call_method in ROUTED_METHODS and pending_request.args:
                 keys = routing_keys(pending_request.args[0], self._max_key_chars)
+                adapter = pending_request.metadata.multiplexed_model_id
+                if adapter:  # a LoRA adapter's KV is its own: its prefixes are apart from the base model's
+                    keys = [f"{adapter}\x00{key}" for key in keys]
             setattr(pending_request, _PROMPT_ATTR, keys)
         return keys
 
@@ -423,6 +426,15 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         chosen, new = self._pick(keys[0], candidate_replicas, lens)
         if chosen is None:
             return fallback
+        adapter = pending_request.metadata.multiplexed_model_id
+        if new and adapter:
+            # A new prefix of a LoRA adapter: the least busy replica that has the adapter
+            # loaded; none has it: Serve's choice (it prefers replicas with fewer adapters).
+            holders = [r for r in candidate_replicas if adapter in r.multiplexed_model_ids and r.replica_id in lens
+                       and lens[r.replica_id] < r.max_ongoing_requests]
+            if not holders:
+                return fallback
+            chosen = min(holders, key=lambda r: (lens[r.replica_id], random.random()))
         # Recorded now, not once the replica accepts: the requests of a burst that share
         # a new prefix follow this one instead of spreading before it is recorded.
         self._record(keys, chosen.replica_id)

@@ -92,13 +92,18 @@ class ServerArgs(BaseModel):
     #: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime endpoints;
     #: also on when the environment sets VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    #: Ray Serve LLM's lora_config: a request for "<model>:<adapter>" loads the adapter
+    #: from this folder's <adapter>/ on first use (a local path)
+    dynamic_lora_loading_path: str | None = None
 
     def lora(self) -> dict[str, Any]:
-        """The ingress's LoRA settings: the parsed ``lora_modules`` and the runtime switch."""
+        """The ingress's LoRA settings: the parsed ``lora_modules``, the runtime switch,
+        the dynamic loading folder of this model."""
         from deploy.lora_adapters import parse_lora_module
 
         return {"modules": [parse_lora_module(m) for m in self.lora_modules],
-                "runtime_updates": self.allow_runtime_lora_updating}
+                "runtime_updates": self.allow_runtime_lora_updating,
+                "dynamic": {self.model_id(): self.dynamic_lora_loading_path} if self.dynamic_lora_loading_path else {}}
 
     def responses_store(self) -> dict[str, Any] | None:
         """The ingress's Responses API store settings (None: no store)."""
@@ -134,9 +139,14 @@ class ServerArgs(BaseModel):
             raise ValueError("request_router_kwargs: settings of the prefix-aware router, but request_router is "
                              "power_of_two")
         check_router_kwargs(self.request_router_kwargs)
-        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.engine.get("enable_lora"):
-            raise ValueError("lora_modules and allow_runtime_lora_updating need the engine's enable_lora "
-                             "(--enable-lora)")
+        if (self.lora_modules or self.allow_runtime_lora_updating or self.dynamic_lora_loading_path) \
+                and not self.engine.get("enable_lora"):
+            raise ValueError("lora_modules, allow_runtime_lora_updating and dynamic_lora_loading_path need the "
+                             "engine's enable_lora (--enable-lora)")
+        path = self.dynamic_lora_loading_path
+        if path is not None and ("://" in path or not path.strip()):
+            raise ValueError(f"dynamic_lora_loading_path: only a local folder is supported yet (remote storage "
+                             f"is not), got {path!r}")
         names = [m["name"] for m in self.lora()["modules"]]
         if len(set(names)) != len(names) or self.model_id() in names:
             raise ValueError(f"lora_modules: each adapter needs a name of its own, not the model's ({names})")

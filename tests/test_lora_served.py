@@ -8,6 +8,7 @@ loads are 4xx and the server stays whole."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
@@ -166,3 +167,80 @@ def test_runtime_endpoints_are_off_unless_allowed(tiny_model_path):
         ServerArgs(model=tiny_model_path, lora_modules=["a=/x"])
     with pytest.raises(ValueError, match="not name=path"):
         ServerArgs(model=tiny_model_path, lora_modules=["a"], engine={"enable_lora": True})
+
+
+# -- Ray Serve LLM's lora_config: loading on first use, routed to a replica that has it --
+
+
+def _successes(base_url: str) -> dict[str, float]:
+    """Finished requests per engine replica (``vllm:request_success_total``'s ``engine`` label)."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _new_successes(base_url: str, before: dict[str, float], expected: int) -> dict[str, float]:
+    """Requests finished per engine replica since ``before``, once ``expected`` of them
+    show (the replicas' metrics reach the app's hub every few seconds)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        now = {k: v - before.get(k, 0.0) for k, v in _successes(base_url).items()}
+        if sum(now.values()) >= expected or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def test_ray_serve_llm_lora_config_loads_on_first_use_and_routes_to_the_replica_that_has_it(
+        server, tiny_model_path, adapters, offline):
+    """Beside the module's server (the same Serve, its own route): two engine replicas
+    of a Ray Serve LLM config with ``lora_config``."""
+    import shutil
+
+    from ray import serve
+
+    from deploy.serve_llm import build_openai_app
+
+    results, _ = offline
+    root = Path(adapters["qv"]).parent / "dynamic"
+    if not root.exists():
+        root.mkdir()
+        shutil.copytree(adapters["qv"], root / "qv")
+    serve.run(build_openai_app({"llm_configs": [{
+        "model_loading_config": {"model_id": "tiny", "model_source": tiny_model_path},
+        "deployment_config": {"num_replicas": 2},
+        "engine_kwargs": {"max_model_len": 256, "max_num_seqs": 8, "worker_num_cpus": 1},
+        "lora_config": {"dynamic_lora_loading_path": str(root), "max_num_adapters_per_replica": 4},
+    }]}), name="lora-multiplex", route_prefix="/mx")
+    url = f"{server}/mx"
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        before = _successes(url)
+        assert _complete(client, "tiny:qv", PROMPTS[0]) == results[(PROMPTS[0], "qv")].text  # loaded now
+        first = _new_successes(url, before, 1)
+        (home,) = [k for k, v in first.items() if v > 0]
+        with pytest.raises(openai.NotFoundError, match="tiny:missing"):
+            client.completions.create(model="tiny:missing", prompt="x", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="lora_name"):
+            client.completions.create(model="tiny:..", prompt="x", max_tokens=2)
+
+        async def burst() -> list[str]:
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as aclient:
+                async def one(i: int) -> str:
+                    r = await aclient.completions.create(model="tiny:qv", prompt=f"{PROMPTS[i % 3]} {i}",
+                                                         max_tokens=4, temperature=0)
+                    return r.choices[0].text
+                return await asyncio.gather(*(one(i) for i in range(16)))
+
+        before = _successes(url)
+        assert len(asyncio.run(burst())) == 16
+        after = _new_successes(url, before, 16)
+        assert sum(after.values()) == 16
+        assert after.get(home, 0) >= 14, f"the burst spread over replicas: {after} (the adapter is on {home})"
+        assert _complete(client, "tiny:qv", PROMPTS[1]) == results[(PROMPTS[1], "qv")].text
+    finally:
+        serve.delete("lora-multiplex")

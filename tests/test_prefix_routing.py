@@ -59,13 +59,13 @@ def make_router(replicas: list[FakeReplica], use_cache: bool = False, **kwargs: 
     return router
 
 
-def pending(body: Any, method: str = "chat") -> Any:
+def pending(body: Any, method: str = "chat", adapter: str = "") -> Any:
     from ray.serve._private.common import RequestMetadata
     from ray.serve._private.request_router.common import PendingRequest
 
     args = [] if body is None else [body, None]
     return PendingRequest(args=args, kwargs={}, metadata=RequestMetadata(
-        request_id="r", internal_request_id=uuid.uuid4().hex, call_method=method))
+        request_id="r", internal_request_id=uuid.uuid4().hex, call_method=method, multiplexed_model_id=adapter))
 
 
 def chat(system: str, user: str) -> ChatCompletionRequest:
@@ -257,6 +257,25 @@ async def test_token_ids_and_batches_route_by_prefix():
     for prompt in (text, second):
         matched, tenants = router._tree.prefix_match(prompt)
         assert matched == prompt and tenants == [home.replica_id.to_full_id_str()]
+
+
+@in_loop
+async def test_a_lora_adapters_requests_go_to_a_replica_that_has_it_and_keep_their_own_prefixes():
+    """A new prefix of an adapter goes to the least busy replica that reports the
+    adapter loaded (Serve's multiplexed model ids), not to the one new prefixes would
+    spread to; its prefixes are apart from the base model's (another KV)."""
+    a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+    b.multiplexed_model_ids = {"m:sql"}
+    c.multiplexed_model_ids = {"m:sql"}
+    c.queue_len = 50  # far busier: b stays the choice while its own requests pile up
+    router = make_router([a, b, c])
+    for i in range(6):
+        ranks = await router.choose_replicas([a, b, c], pending(chat(system_text(i), "q"), adapter="m:sql"))
+        assert ranks[0] == [b]
+    base = [(await router.choose_replicas([a, b, c], pending(chat(system_text(i), "q"))))[0][0] for i in range(6)]
+    assert a in base  # the base model's same prompts are new prefixes, spread as any
+    nobody = await router.choose_replicas([a, b, c], pending(chat(system_text(50), "q"), adapter="m:other"))
+    assert len(nobody[0]) != 1 or nobody[0][0] in (a, b, c)  # Serve's own choice (power of two)
 
 
 @in_loop

@@ -183,7 +183,10 @@ REFUSED = [
     (llm(engine_kwargs=["max_model_len"]), r"engine_kwargs\s+Input should be a valid dictionary"),
     # the LLMConfig's own fields
     (llm(lora_config={"dynamic_lora_loading_path": "s3://bucket/loras"}),
-     r"lora_config: Ray Serve LLM's dynamic adapter loading .* not supported by raydecode yet"),
+     r"dynamic_lora_loading_path: only a local folder is supported by raydecode yet"),
+    (llm(lora_config={"dynamic_lora_loading_path": "/loras", "max_num_adapters_per_replica": 0}),
+     r"max_num_adapters_per_replica must be at least 1"),
+    (llm(lora_config={"dynamic_lora_loading_path": "/loras", "max_loras": 2}), r"lora_config\.max_loras\s+Extra inputs"),
     (llm(accelerator_type="H1000"), r"Unsupported accelerator type: H1000"),
     (llm(accelerator_type="TPU-V4"), r"TPUs are not supported"),
     (llm(accelerator_type=7), r"accelerator_type\s+Input should be a valid string"),
@@ -272,6 +275,15 @@ def test_the_app_is_one_ingress_over_one_engine_deployment_per_model():
     assert (a.init_args[0]["served_model_name"], b.init_args[0]["model"]) == ("a", "/models/m")
     named = build_llm_deployment(LLMConfig(**llm("c")), name_prefix="X:", override_serve_options={"num_replicas": 3})
     assert (named._bound_deployment.name, named._bound_deployment._deployment_config.num_replicas) == ("X:c", 3)
+
+
+def test_lora_config_maps_onto_the_dynamic_folder_and_the_engine():
+    plan = LLMConfig(**llm(lora_config={"dynamic_lora_loading_path": "/loras", "max_num_adapters_per_replica": 8,
+                                        "download_timeout_s": 60, "max_download_tries": 2},
+                           engine_kwargs={"max_loras": 4})).plan()
+    assert plan.args.dynamic_lora_loading_path == "/loras"
+    assert plan.args.engine == {"enable_lora": True, "max_loras": 4, "max_cpu_loras": 8}
+    assert plan.args.lora()["dynamic"] == {"m": "/loras"}
 
 
 def test_each_engine_kwarg_name_has_one_meaning():

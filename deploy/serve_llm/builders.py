@@ -50,7 +50,10 @@ def build_openai_app(builder_config: dict[str, Any] | LLMServingArgs) -> serve.A
     args = LLMServingArgs.model_validate(builder_config)
     engines = {config.model_id: build_llm_deployment(config) for config in args.llm_configs}
     api_key = args.llm_configs[0].plan().api_key
-    return ingress_deployment(engines, api_key, options=args.ingress_options())
+    lora = {"modules": [], "runtime_updates": False,
+            "dynamic": {c.model_id: c.plan().args.dynamic_lora_loading_path for c in args.llm_configs
+                        if c.plan().args.dynamic_lora_loading_path}}
+    return ingress_deployment(engines, api_key, options=args.ingress_options(), lora=lora)
 
 
 def build_pd_openai_app(pd_serving_args: dict[str, Any]) -> serve.Application:

@@ -30,6 +30,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+class LoraConfig(_Strict):
+    """Ray Serve LLM's ``lora_config``. Adapters load from local folders here (the
+    download settings are accepted; nothing is downloaded)."""
+
+    dynamic_lora_loading_path: str | None = None
+    max_num_adapters_per_replica: int = 16
+    download_timeout_s: float | None = 30.0
+    max_download_tries: int = 3
+
+    @model_validator(mode="after")
+    def _positive(self) -> LoraConfig:
+        if self.max_num_adapters_per_replica < 1:
+            raise ValueError(f"max_num_adapters_per_replica must be at least 1, got {self.max_num_adapters_per_replica}")
+        if self.dynamic_lora_loading_path is not None and "://" in self.dynamic_lora_loading_path:
+            raise ValueError(f"dynamic_lora_loading_path: only a local folder is supported by raydecode yet (remote "
+                             f"storage is not), got {self.dynamic_lora_loading_path!r}")
+        return self
+
+
 class ModelLoadingConfig(_Strict):
     """Which model, under which name (Ray Serve LLM's ``ModelLoadingConfig``)."""
 
@@ -94,9 +113,10 @@ class LLMConfig(_Strict):
     accelerator_type: str | None = None
     accelerator_config: AcceleratorConfig | None = None
     placement_group_config: dict[str, Any] | None = None
-    #: refused: Ray Serve LLM's dynamic adapter loading and multiplexed routing are not
-    #: built yet (engine_kwargs enable_lora and the server's adapters are)
-    lora_config: dict[str, Any] | None = None
+    #: Ray Serve LLM's LoRA settings: adapters loaded from ``dynamic_lora_loading_path``
+    #: on first use (a request's ``model`` "<model_id>:<adapter>"), routed to a
+    #: replica that has them loaded (Serve's model multiplexing)
+    lora_config: LoraConfig | None = None
     deployment_config: dict[str, Any] = {}
     #: refused when set: the engine deployment is raydecode's EngineServer
     server_cls: Any = None
@@ -137,10 +157,6 @@ class LLMConfig(_Strict):
         return self._plan
 
     def _make_plan(self) -> EnginePlan:
-        if self.lora_config is not None:
-            raise ValueError("lora_config: Ray Serve LLM's dynamic adapter loading and multiplexed routing are not "
-                             "supported by raydecode yet; set engine_kwargs enable_lora and serve adapters with "
-                             "`raydecode serve --lora-modules` or POST /v1/load_lora_adapter")
         if self.server_cls is not None:
             raise ValueError("server_cls: not supported: raydecode's engine deployment is "
                              "deploy.engine_server.EngineServer")
@@ -158,6 +174,12 @@ class LLMConfig(_Strict):
             logger.info("log_engine_metrics: false has no effect on raydecode: GET /metrics always has them")
         model = self.model_loading_config.model()
         server, engine, api_key = map_engine_kwargs(self.engine_kwargs, model)
+        if self.lora_config is not None:
+            server["dynamic_lora_loading_path"] = self.lora_config.dynamic_lora_loading_path
+            engine.setdefault("enable_lora", True)
+            # Serve's adapters per replica (max_num_adapters_per_replica) are the ones a worker keeps
+            engine.setdefault("max_cpu_loras", max(self.lora_config.max_num_adapters_per_replica,
+                                                   int(engine.get("max_loras", 1))))
         kind = self.accelerator_config.kind if self.accelerator_config is not None else None
         place_workers(engine, self.placement_group_config, kind, self.accelerator_type)
         check_engine_types(engine, 1)
