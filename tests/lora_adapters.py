@@ -32,9 +32,11 @@ def make_adapter(base: str, folder: Path, targets: list[str], r: int = 8, alpha:
 
 
 def peft_model(base: str, adapter: str | None):
-    """transformers' model of ``base`` with PEFT's ``adapter`` on it (None: the base)."""
+    """transformers' model of ``base`` with PEFT's ``adapter`` on it (None: the base):
+    PEFT's LoRA layers injected into the model, which is returned itself (its own
+    ``generate`` and generation config, the adapter active)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval().get_base_model()

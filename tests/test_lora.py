@@ -115,7 +115,7 @@ def test_scales_equal_peft(tiny_model_path, adapters):
         modules = inspect_adapter(folder, 16, _targets(tiny_model_path))
         model = peft_model(tiny_model_path, folder)
         for module, info in modules.items():
-            layer = model.base_model.model.get_submodule(module)
+            layer = model.get_submodule(module)
             assert math.isclose(info.scale, layer.scaling["default"], rel_tol=1e-9), (name, module)
             assert info.rank == layer.r["default"]
 
@@ -275,3 +275,37 @@ def test_prefix_keys_differ_between_adapters_and_the_base():
     keys = {name: _seq(name, lora).full_block_keys(blocks, 3) for name, lora in (("base", None), ("a", a), ("b", b))}
     assert len({k for ks in keys.values() for k in ks}) == 9  # no block key shared
     assert _seq("a2", a).full_block_keys(blocks, 3) == keys["a"]  # the same adapter shares its prefixes
+
+
+@pytest.mark.smollm2
+def test_smollm2_with_adapters_mixed_in_a_batch_equals_peft(tmp_path):
+    """The real model (SmolLM2-135M, float32, the fused decoder): rank-16 adapters on
+    q/v and on all seven linears, rows of both and of the base model in one batch."""
+    from transformers import AutoTokenizer
+
+    from worker.runner.model_loader import default_model_path
+
+    base = str(default_model_path())
+    qv = make_adapter(base, tmp_path / "qv", ATTENTION, r=16, alpha=32, seed=31, std=0.08)
+    seven = make_adapter(base, tmp_path / "seven", ALL_SEVEN, r=16, alpha=16, seed=32, std=0.08)
+    tok = AutoTokenizer.from_pretrained(base)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
+    ps = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    ps = [p if isinstance(p, list) else p["input_ids"] for p in ps]
+    w = make_worker(base, enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=512)
+    assert w._runner.backend.decoder is not None
+    specs = [LoRAAdapter(id=1, name="qv", path=qv), LoRAAdapter(id=2, name="seven", path=seven), None]
+    jobs = [(p, specs[(i + j) % 3]) for i, p in enumerate(ps) for j in range(3)]
+    driver = MiniDriver(w.step, max_rows=4, token_budget=96, chunk=32)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, (p, lora) in enumerate(jobs):
+        driver.submit(f"r{i}", p, params, lora=lora)
+    done = driver.run()
+    models = {"qv": peft_model(base, qv), "seven": peft_model(base, seven), None: peft_model(base, None)}
+    for i, (p, lora) in enumerate(jobs):
+        model = models[lora.name if lora else None]
+        ours = done[f"r{i}"].output
+        assert_greedy_equal(model, p, ours, generate(model, p, len(ours)))
+    for i, (p, lora) in enumerate(jobs):
+        if lora is not None:
+            assert done[f"r{i}"].output != generate(models[None], p, 16), "an adapter changed nothing"

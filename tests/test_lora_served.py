@@ -244,3 +244,41 @@ def test_ray_serve_llm_lora_config_loads_on_first_use_and_routes_to_the_replica_
         assert _complete(client, "tiny:qv", PROMPTS[1]) == results[(PROMPTS[1], "qv")].text
     finally:
         serve.delete("lora-multiplex")
+
+
+def test_a_worker_killed_mid_generation_loses_no_adapter_row(ray_local, tiny_model_path, adapters):
+    """Rows of two adapters and of the base model on two workers; one worker SIGKILLed
+    while it holds started sequences: they resume on the other worker, with their
+    adapters, and every output equals the run without the kill."""
+    import os
+    import signal
+
+    llm = LLM(tiny_model_path, num_workers=2, enable_lora=True, max_loras=3, max_model_len=256, max_num_seqs=8,
+              worker_num_cpus=1)
+    try:
+        loras = [None, LoRARequest("qv", 1, adapters["qv"]), LoRARequest("all", 2, adapters["all"])]
+        jobs = [(f"{PROMPTS[i % 3]} {i}", loras[i % 3]) for i in range(12)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        reference = llm.generate([p for p, _ in jobs], params, lora_request=[lora for _, lora in jobs], use_tqdm=False)
+        engine = llm.engine
+        for i, (p, lora) in enumerate(jobs):
+            engine.add_request(f"k{i}", p, params, lora_request=lora)
+        finals, killed = {}, []
+        while engine.has_unfinished_requests():
+            for out in engine.step(timeout=0.2):
+                if out.finished:
+                    finals[out.request_id] = out
+            if not killed:
+                for slot in engine.workers:
+                    started = [s for s in (slot.scheduler.running if slot.scheduler else [])
+                               if s.output_token_ids and not s.finished]
+                    if slot.live and slot.pid is not None and sum(s.lora is not None for s in started) >= 2:
+                        killed.append(slot)
+                        os.kill(slot.pid, signal.SIGKILL)
+                        break
+        assert killed, "no worker was killed holding adapter rows"
+        assert engine.num_worker_failures >= 1
+        for i, ref in enumerate(reference):
+            assert finals[f"k{i}"].outputs[0].token_ids == ref.outputs[0].token_ids, f"request {i} ({jobs[i][1]})"
+    finally:
+        llm.shutdown()
