@@ -73,10 +73,8 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -216,31 +214,12 @@ def root_cause(log: Path) -> str | None:
 
 def run_child(engine: str, py: str, env: dict[str, str], spec: dict[str, Any], log: Path,
               timeout_s: float) -> dict[str, Any]:
-    from vs_vllm import stop_group, tail
+    from vs_vllm import run_json_child, tail
 
-    result: dict[str, Any] | None = None
-    with open(log, "w") as logf:
-        proc = subprocess.Popen([py, str(Path(__file__).resolve()), "--child", engine], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), text=True,
-                                start_new_session=True)
-        watchdog = threading.Timer(timeout_s, lambda: stop_group(proc, grace_s=5.0))
-        watchdog.start()
-        try:
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(spec))
-            proc.stdin.close()
-            for line in proc.stdout:
-                if line.startswith(MARKER):
-                    result = json.loads(line[len(MARKER):])
-                else:
-                    logf.write(line)
-                    logf.flush()
-            proc.wait()
-        finally:
-            watchdog.cancel()
-            stop_group(proc, grace_s=5.0)  # what it left behind (Ray's processes, vLLM's engine core)
+    result, code = run_json_child([py, str(Path(__file__).resolve()), "--child", engine], spec, log, env, timeout_s,
+                                  marker=MARKER)
     if result is None:
-        result = {"error": f"the child exited ({proc.returncode}) without a result", "results": {}}
+        result = {"error": f"the child exited ({code}) without a result", "results": {}}
     cause = root_cause(log)
     for r in [result, *result.get("results", {}).values()]:
         if r.get("error") and cause and cause.split(": ", 1)[-1][:60] not in r["error"]:

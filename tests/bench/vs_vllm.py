@@ -426,6 +426,37 @@ def offline_ours(model_dir: str, warm: list[Req], workloads: dict[str, list[Req]
     return start_s, out
 
 
+def run_json_child(cmd: list[str], spec: dict[str, Any], log: Path, env: dict[str, str], timeout_s: float,
+                   marker: str = MARKER, echo: str | None = None) -> tuple[dict[str, Any] | None, int]:
+    """Runs ``cmd`` in a process group of its own with ``spec`` as JSON on its stdin,
+    its output into ``log`` (lines starting with ``echo`` printed too), stopped after
+    ``timeout_s`` and whatever it left behind stopped at the end: the JSON it printed
+    after ``marker`` (None without one) and its exit code."""
+    result: dict[str, Any] | None = None
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, cwd=str(ROOT), text=True, start_new_session=True)
+        watchdog = threading.Timer(timeout_s, lambda: stop_group(proc, grace_s=5.0))
+        watchdog.start()
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(spec))
+            proc.stdin.close()
+            for line in proc.stdout:
+                if line.startswith(marker):
+                    result = json.loads(line[len(marker):])
+                else:
+                    logf.write(line)
+                    logf.flush()
+                    if echo is not None and line.startswith(echo):
+                        print(f"  {line.rstrip()}", flush=True)
+            proc.wait()
+        finally:
+            watchdog.cancel()
+            stop_group(proc, grace_s=5.0)  # what it left behind (Ray's processes, vLLM's engine core)
+    return result, proc.returncode
+
+
 def offline_peer(py: str, model_dir: str, warm: list[Req], workloads: dict[str, list[Req]],
                  log: Path, timeout_s: float, seeded: bool = False) -> dict[str, Any]:
     """Runs ``_vllm_peer.py`` with the peer's python; its JSON result (see there)."""
@@ -437,31 +468,9 @@ def offline_peer(py: str, model_dir: str, warm: list[Req], workloads: dict[str, 
         "workloads": {name: [peer_request(r, seeded) for r in reqs] for name, reqs in workloads.items()},
     }
     print(f"offline: vLLM ({', '.join(workloads)}) in {py} ... (log: {log})", flush=True)
-    result: dict[str, Any] | None = None
-    with open(log, "w") as logf:
-        proc = subprocess.Popen([py, str(PEER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=peer_env(py), cwd=str(ROOT), text=True,
-                                start_new_session=True)
-        watchdog = threading.Timer(timeout_s, lambda: stop_group(proc, grace_s=5.0))
-        watchdog.start()
-        try:
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(spec))
-            proc.stdin.close()
-            for line in proc.stdout:
-                if line.startswith(MARKER):
-                    result = json.loads(line[len(MARKER):])
-                else:
-                    logf.write(line)
-                    logf.flush()
-                    if line.startswith("vllm peer:"):
-                        print(f"  {line.rstrip()}", flush=True)
-            proc.wait()
-        finally:
-            watchdog.cancel()
-            stop_group(proc, grace_s=5.0)
+    result, code = run_json_child([py, str(PEER_SCRIPT)], spec, log, peer_env(py), timeout_s, echo="vllm peer:")
     if result is None:
-        result = {"error": f"the peer exited ({proc.returncode}) without a result", "results": {}}
+        result = {"error": f"the peer exited ({code}) without a result", "results": {}}
     if result.get("error"):
         print(f"vLLM offline failed: {result['error']}\n--- {log} (tail) ---\n{tail(log)}", flush=True)
     return result
