@@ -452,6 +452,14 @@ class LLMEngine:
         running = sum(s.num_running for s in schedulers if s is not None)
         return SchedulerStats(num_running=running, num_waiting=len(self.waiting), kv_cache_usage=self.kv_cache_usage())
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The names of the LoRA adapters running sequences use, and those waiting ones
+        use (vLLM's lora_requests_info; safe from another thread)."""
+        running = {s.lora.name for slot in list(self.workers) if slot.scheduler is not None
+                   for s in list(slot.scheduler.rows) if s is not None and s.lora is not None}
+        waiting = {s.lora.name for s in list(self.waiting) if s.lora is not None}
+        return sorted(running), sorted(waiting)
+
     @property
     def last_progress(self) -> float:
         """Monotonic time of the last completed (or failed) step, or of being idle."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -96,6 +97,12 @@ class EngineCollector:
         for reason in dict.fromkeys([*FINISH_REASONS, *snap.request_success]):
             success.add_metric(labels + [reason], snap.request_success.get(reason, 0))
         yield success
+        if engine.config.enable_lora:  # vLLM's: the adapters in use now, as labels; the value is the time
+            running, waiting = engine.lora_adapters()
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=LABELS + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric(labels + [str(engine.config.max_loras), ",".join(running), ",".join(waiting)], time.time())
+            yield info
         if engine.config.spec_tokens > 0:  # as vLLM: only with speculative decoding on
             yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", snap.spec_decode_num_drafts)
             yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",

@@ -90,6 +90,10 @@ def test_each_adapter_is_a_model_and_answers_as_llm_does(client, offline):
     assert r.choices[0].text == results[(PROMPTS[0], "qv")].text
     chat = client.chat.completions.create(model="qv", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.model == "qv"
+    # vLLM's lora_requests_info: the adapters in use as labels (none now), max_lora
+    info = [line for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+            if line.startswith("vllm:lora_requests_info{")]
+    assert info and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info
 
 
 def test_load_use_unload_reload_while_other_streams_run(server, adapters, offline):
