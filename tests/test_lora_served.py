@@ -76,7 +76,7 @@ def _complete(client, model: str, prompt: str) -> str:
     return r.choices[0].text
 
 
-def test_each_adapter_is_a_model_and_answers_as_llm_does(client, offline):
+def test_each_adapter_is_a_model_and_answers_as_llm_does(server, client, offline):
     results, _ = offline
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {"tiny", "qv"}
