@@ -106,6 +106,17 @@ def main() -> None:
         print(f"{name:30} {statistics.median(a for a, _ in pairs):15.1f} {statistics.median(b for _, b in pairs):11.1f} "
               f"{statistics.median(ratios):8.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
     print(f"one adapter (q/v r16) read from disk and checked: {load_ms:.1f} ms")
+    # The first request's time to first token (one row, one token out): on the base model,
+    # with an adapter the worker holds, with one it reads now (each fresh one once).
+    fresh = [write_adapter(root / f"fresh{i}", targets, ATTENTION, 16, 500 + i) for i in range(args.rounds)]
+    ttft: dict[str, list[float]] = {"base model": [], "adapter loaded": [], "adapter not loaded yet": []}
+    held = configs["8 adapters, q/v r16"][0]
+    for i in range(args.rounds):
+        for name, lora in (("base model", None), ("adapter loaded", held),
+                           ("adapter not loaded yet", LoRAAdapter(id=900 + i, name=f"f{i}", path=fresh[i]))):
+            ttft[name].append(1e3 / run(worker, ps[i + 1 : i + 2], [lora], 1, args.rows))
+    print("first request's TTFT, one row (median ms): " + ", ".join(
+        f"{name} {statistics.median(v):.1f}" for name, v in ttft.items()))
 
 
 if __name__ == "__main__":
