@@ -209,19 +209,36 @@ class OpenAIIngress:
                 candidate = self.adapters.dynamic_candidate(model)  # (another request may have loaded it)
                 if candidate is not None:
                     name, folder, base = candidate
-                    entry = self.adapters.add(name, folder, base, model)
-                    reply = None
-                    try:
-                        reply = await self._call(self.engines[base], "check_lora", wire(entry))
-                    finally:
-                        if reply is None or reply.status != 200:
-                            self.adapters.adapters.pop(model, None)
+                    reply = await self._add_checked(name, folder, base, model)
                     if reply.status != 200:
                         message = reply.body.get("error", {}).get("message", "")
                         if "is not a folder" in message:
                             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
                         raise APIError(reply.status, message, "BadRequestError", "model")
         return self._target(model)
+
+    async def _add_checked(self, name: str, path: str, base: str | None, model: str | None = None,
+                           replacing: dict[str, Any] | None = None) -> Reply:
+        """Adds an adapter to the table once an engine replica of its base model has
+        checked its folder (the engine's answer); refused, or the call failing, the table
+        is as it was (``replacing``: the entry it replaces, back in place). ValueError for
+        a bad or taken name, an unknown base."""
+        table, key = self.adapters.adapters, model or name
+        try:
+            entry = self.adapters.add(name, path, base, model)
+        except ValueError:
+            if replacing is not None:
+                table[key] = replacing
+            raise
+        reply = None
+        try:
+            reply = await self._call(self.engines[entry["engine"]], "check_lora", wire(entry))
+        finally:
+            if (reply is None or reply.status != 200) and table.get(key) is entry:
+                del table[key]
+                if replacing is not None:
+                    table[key] = replacing
+        return reply
 
     def _base_engine(self, model: str | None) -> Any:
         if model is None and len(self.engines) == 1:
@@ -357,22 +374,11 @@ class OpenAIIngress:
         self._check_key(raw)
         self._check_runtime_updates()
         # load_inplace (vLLM's): the name's adapter is replaced (read again from its folder)
-        table = self.adapters.adapters
-        old = table.pop(body.lora_name, None) if body.load_inplace else None
+        old = self.adapters.adapters.pop(body.lora_name, None) if body.load_inplace else None
         try:
-            entry = self.adapters.add(body.lora_name, body.lora_path, body.base_model_name)
+            reply = await self._add_checked(body.lora_name, body.lora_path, body.base_model_name, replacing=old)
         except ValueError as exc:
-            if old is not None:
-                table[body.lora_name] = old
             raise APIError(400, str(exc), "BadRequestError", "lora_name") from None
-        reply = None
-        try:
-            reply = await self._call(self.engines[entry["engine"]], "check_lora", wire(entry))
-        finally:
-            if (reply is None or reply.status != 200) and table.get(body.lora_name) is entry:
-                del table[body.lora_name]  # refused (or the call failed): the table as it was
-                if old is not None:
-                    table[body.lora_name] = old
         if reply.status != 200:
             return _json(reply)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")

@@ -106,9 +106,9 @@ def lora_parts(modules: list[nn.Module], sizes: list[int] | None, names: dict[in
     ``projections`` runs them: column runs of one merged output, or one output each."""
     if sizes is None:
         return tuple((names[id(m)], i, 0, int(m.out_features)) for i, m in enumerate(modules))
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     if len(modules) == 1:  # fused in the checkpoint (Phi-3): adapters attach to it whole
         return ((names[id(modules[0])], 0, 0, sum(sizes)),)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return tuple((names[id(m)], 0, start, size) for m, start, size in zip(modules, starts, sizes))
 
 

@@ -1,11 +1,11 @@
 """LoRA adapters on a worker: the loaded ones, and each step's products over its rows.
 
 A step's packed tokens belong to rows, each row to one adapter or to the base model. An
-adapted linear adds ``B (A x)`` (B scaled at load) to the base layer's output, computed
-per adapter over its tokens: the shrink ``x_a A^T`` over the projections that read the
-same input at once (A of q, k and v stacked: one matmul), then one expand per
-projection into its columns of the output (S-LoRA's / Punica's shrink and expand, as
-grouped torch ops: one pair per adapter in the step, never per row). The base weights
+adapted linear adds ``B (A x)`` (B scaled at load) to the base layer's output: the
+shrink ``x A^T`` over the projections that read the same input at once (A of q, k and
+v stacked), then one expand per projection into its columns of the output (S-LoRA's /
+Punica's shrink and expand, as torch ops; with several adapters in a step, batched
+over them: ``StepLoRA``), never per row. The base weights
 stay as they are: packed, merged, quantized; adapters stay in float beside them.
 
 Two paths run it: the fused CPU decoder calls ``StepLoRA.add`` after its projections
