@@ -136,6 +136,24 @@ def render_chat(
     """One conversation as a token-id prompt, through the tokenizer's chat template.
     ``template_vars`` (``tools=...``, ``documents=...``) go to the template. A template
     that cannot render the messages raises ``ValueError`` with the template's message."""
+    text = render_chat_text(conversation, tokenizer, add_generation_prompt=add_generation_prompt,
+                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                            budget=budget, **template_vars)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def render_chat_text(
+    conversation: Conversation,
+    tokenizer: Any,
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    budget: PromptBudget | None = None,
+    **template_vars: Any,
+) -> str:
+    """``render_chat``'s text, not tokenized (a chat prompt's ids are that text encoded
+    without special tokens: the template writes them)."""
     if not isinstance(conversation, list) or not conversation or not all(
         isinstance(m, dict) and "role" in m for m in conversation
     ):
@@ -161,8 +179,7 @@ def render_chat(
         raise ValueError(f"messages: the chat template rendered {type(text).__name__}, not text")
     if budget is not None:
         budget.check_chars("the rendered conversation", len(text))
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return {"prompt": text, "prompt_token_ids": ids}
+    return text
 
 
 def _text_length(content: Any) -> int:
