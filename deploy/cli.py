@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from deploy import run_batch
 from deploy.engine_flags import ENGINE_DEST, FLAG_NAMES, add_engine_flags, config_docs, engine_kwargs, json_of
 from deploy.serve_env import direct_ingress_env, quiet_serve_env, serving_priority_env, throughput_serve_env
 
@@ -50,8 +51,9 @@ ${BENCH_SCRIPTS_ENV}."""
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="raydecode", description="Ray-based LLM serving: generate, serve, bench.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,run-batch,serve,bench}")
     _generate_parser(sub)
+    run_batch.add_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
     return ap
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "generate":
         return _generate(ap, args)
+    if args.command == "run-batch":
+        return run_batch.run(ap, args)
     if args.command == "serve":
         return _serve(ap, args)
     return _bench(ap, args)

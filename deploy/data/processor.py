@@ -12,6 +12,7 @@ bypasses ``postprocess``; every row then carries the column ("" where it succeed
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,8 +69,6 @@ class Processor:
 
     def __call__(self, dataset: Any) -> Any:
         """``dataset`` through the processor (lazy: returns the mapped Dataset)."""
-        from ray.data import ExecutionResources
-
         if self.preprocess is not None:
             dataset = dataset.map(self.preprocess, **self.preprocess_map_kwargs)
         for stage in self.stages.values():
@@ -82,10 +81,7 @@ class Processor:
             # see: its budget leaves their resources to them, else its tasks could take
             # the CPUs (or GPUs) the workers wait for while those tasks wait on the
             # replicas (Ray Data LLM's vLLM stage reserves them on the replica instead).
-            replicas = pool_size(self.config.concurrency)["max_size"]
-            options = dataset.context.execution_options
-            options.exclude_resources = options.exclude_resources.add(ExecutionResources(
-                cpu=self.reservation.get("CPU", 0.0) * replicas, gpu=self.reservation.get("GPU", 0.0) * replicas))
+            exclude_replica_workers(dataset.context, self.reservation, pool_size(self.config.concurrency)["max_size"])
         return dataset
 
     def list_stage_names(self) -> list[str]:
@@ -117,6 +113,19 @@ def replica_reservation(engine: EngineConfig) -> dict[str, float]:
     rank = resources_bundle(rank_resources(engine, gpus))
     ranks = engine.num_workers * engine.group_size
     return {"CPU": rank.get("CPU", 0.0) * ranks, "GPU": rank.get("GPU", 0.0) * ranks}
+
+
+def exclude_replica_workers(context: Any, reservation: dict[str, float], replicas: int) -> None:
+    """Leaves ``replicas`` replicas' worker reservations out of Ray Data's budget (its
+    ``exclude_resources``, deprecated for 2027 in favour of node labels, which cannot
+    say "leave this much of every node")."""
+    from ray.data import ExecutionResources
+
+    options = context.execution_options
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*exclude_resources.*")
+        options.exclude_resources = options.exclude_resources.add(ExecutionResources(
+            cpu=reservation.get("CPU", 0.0) * replicas, gpu=reservation.get("GPU", 0.0) * replicas))
 
 
 def _with_columns(fn: RowFunction) -> RowFunction:
