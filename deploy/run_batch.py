@@ -227,7 +227,11 @@ def _run_lines(args: argparse.Namespace, server: dict[str, Any], address: str | 
     held = replica_reservation(engine)
     init: dict[str, Any] = {}
     if address is None:
+        from deploy.serve_env import serving_priority_env
+
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        for key, value in serving_priority_env().items():  # the replicas' engines ahead of their workers
+            os.environ.setdefault(key, value)
         # A local Ray: the workers' CPUs are tokens (one per worker), so the light
         # stages always have room beside them.
         init["num_cpus"] = max(os.cpu_count() or 1, int(held.get("CPU", 1) * args.concurrency) + 1)

@@ -91,7 +91,7 @@ def engine_replica_pids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def expected(ray_local, chat_model) -> dict[int, list[int]]:
-    return reference(chat_model, list(range(1500)))
+    return reference(chat_model, list(range(800)))
 
 
 def run(model: str, rows: int, *, on_progress=None, **config) -> list[dict]:
@@ -113,22 +113,22 @@ def run(model: str, rows: int, *, on_progress=None, **config) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_replicas_give_every_row_what_llm_generate_gives_though_one_is_killed(ray_local, chat_model, expected):
-    """1,500 rows (chat and completion, greedy and seeded) over two replicas, one of
-    them SIGKILLed (as the OOM killer would) once 300 rows are out: Ray Data restarts it
+    """800 rows (chat and completion, greedy and seeded) over two replicas, one of
+    them SIGKILLed (as the OOM killer would) once 200 rows are out: Ray Data restarts it
     and retries its batches; every id comes back once, with LLM.generate's tokens."""
     killed: list[int] = []
 
     def kill_one(done: int) -> None:
-        if done >= 300 and not killed:
+        if done >= 200 and not killed:
             pids = engine_replica_pids()
             assert len(pids) == 2
             os.kill(pids[0], signal.SIGKILL)
             killed.append(pids[0])
 
-    rows = run(chat_model, 1500, on_progress=kill_one, batch_size=16)
+    rows = run(chat_model, 800, on_progress=kill_one, batch_size=16)
     assert killed, "the run ended before a replica was killed"
     counts = Counter(r["id"] for r in rows)
-    assert len(counts) == 1500 and set(counts.values()) == {1}, "every id exactly once"
+    assert len(counts) == 800 and set(counts.values()) == {1}, "every id exactly once"
     mismatched = [r["id"] for r in rows if list(r["tokens"]) != expected[r["id"]]]
     assert mismatched == [], f"{len(mismatched)} rows differ from LLM.generate, e.g. {mismatched[:5]}"
     assert all(r["n"] == len(r["tokens"]) and r["finish"] == "length" for r in rows)
@@ -224,3 +224,47 @@ def test_the_config_refuses_what_it_cannot_honour_by_name():
     assert isinstance(config.stage("tokenize_stage"), TokenizerStageConfig)
     with pytest.raises(ValueError, match="builder_kwargs.nope"):
         build_processor(config, builder_kwargs={"nope": 1})
+
+
+@pytest.mark.multinode
+def test_a_node_removed_mid_run_loses_and_repeats_no_row(chat_model, expected):
+    """Three Ray nodes on this machine (``ray.cluster_utils.Cluster``, as
+    tests/test_multinode.py), the head too small for both replicas' workers; once 200
+    rows are out, the other node holding most of the processor's actors (a replica and
+    its workers, or a worker) is removed with whatever else is on it (stage actors,
+    blocks): every id still comes back once, with LLM.generate's tokens."""
+    from test_multinode import local_cluster
+
+    health = {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
+    with local_cluster({"num_cpus": 1, "_system_config": health}, {"num_cpus": 2}) as (cluster, second):
+        third = cluster.add_node(num_cpus=2)
+        removed: list[list[str]] = []
+
+        def remove(done: int) -> None:
+            if done >= 200 and not removed:
+                node = max((second, third), key=lambda n: (sum("EngineStage" in t for t in ours_on(n)),
+                                                            len(ours_on(n))))
+                removed.append(sorted(ours_on(node)))
+                cluster.remove_node(node)
+
+        rows = run(chat_model, 800, on_progress=remove, batch_size=16)
+    assert removed, "the run ended before the node was removed"
+    assert removed[0], "nothing of the processor's was on the removed node"
+    counts = Counter(r["id"] for r in rows)
+    assert len(counts) == 800 and set(counts.values()) == {1}
+    assert [r["id"] for r in rows if list(r["tokens"]) != expected[r["id"]]] == []
+
+
+def ours_on(node) -> list[str]:
+    """The engine replicas and model workers running on a node of a
+    ``ray.cluster_utils.Cluster``: its raylet's children, by their Ray process titles."""
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    titles = []
+    for proc in raylet.children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "EngineStage" in title or title.startswith("ray::Worker"):
+            titles.append(title.strip())
+    return titles
