@@ -247,13 +247,13 @@ def build_processor(config: ProcessorConfig, preprocess: RowFunction | None = No
     turns each row into the stages' input columns (``messages`` or ``prompt``,
     ``sampling_params``), ``postprocess`` picks the output's columns from each row.
     ``builder_kwargs``: ``chat_template_kwargs`` (the chat template's variables)."""
-    _start_ray(getattr(config, "runtime_env", None))
     if not isinstance(config, vLLMEngineProcessorConfig):
         raise ValueError(f"config: raydecode builds processors for vLLMEngineProcessorConfig only (its engine "
                          f"stands in for vLLM's), got {type(config).__name__}")
     unknown = sorted(set(builder_kwargs or {}) - {"chat_template_kwargs"})
     if unknown:
         raise ValueError(f"builder_kwargs.{unknown[0]}: not an argument of this processor (chat_template_kwargs is)")
+    _start_ray(config.runtime_env)
     return build_engine_processor(config, preprocess=preprocess, postprocess=postprocess,
                                   preprocess_map_kwargs=preprocess_map_kwargs,
                                   postprocess_map_kwargs=postprocess_map_kwargs, **(builder_kwargs or {}))
