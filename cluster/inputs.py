@@ -123,22 +123,13 @@ def tokenize_prompt(
     return text, ids
 
 
-def render_chat(
-    conversation: Conversation,
-    tokenizer: Any,
-    *,
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    budget: PromptBudget | None = None,
-    **template_vars: Any,
-) -> dict[str, Any]:
-    """One conversation as a token-id prompt, through the tokenizer's chat template.
-    ``template_vars`` (``tools=...``, ``documents=...``) go to the template. A template
-    that cannot render the messages raises ``ValueError`` with the template's message."""
-    text = render_chat_text(conversation, tokenizer, add_generation_prompt=add_generation_prompt,
-                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                            budget=budget, **template_vars)
+def render_chat(conversation: Conversation, tokenizer: Any, **kwargs: Any) -> dict[str, Any]:
+    """One conversation as a token-id prompt, through the tokenizer's chat template
+    (``render_chat_text``'s keywords: ``add_generation_prompt``, ``chat_template``,
+    ``chat_template_kwargs``, ``budget``, and template variables such as ``tools=...``).
+    A template that cannot render the messages raises ``ValueError`` with the
+    template's message."""
+    text = render_chat_text(conversation, tokenizer, **kwargs)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
@@ -152,8 +143,9 @@ def render_chat_text(
     budget: PromptBudget | None = None,
     **template_vars: Any,
 ) -> str:
-    """``render_chat``'s text, not tokenized (a chat prompt's ids are that text encoded
-    without special tokens: the template writes them)."""
+    """One conversation through the tokenizer's chat template, as text (``render_chat``
+    encodes it without special tokens: the template writes them). ``template_vars``
+    (``tools=...``, ``documents=...``) go to the template."""
     if not isinstance(conversation, list) or not conversation or not all(
         isinstance(m, dict) and "role" in m for m in conversation
     ):

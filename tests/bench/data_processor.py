@@ -9,8 +9,12 @@ Throughput: SmolLM2-135M-Instruct (the embedded default, float32 folder), ``--ro
 chat prompts (distinct: a number in each), ``--max-tokens`` greedy tokens each
 (``ignore_eos``). For R replicas: the processor with ``concurrency=(R, R)``, each
 replica one worker, against one ``LLM(num_workers=R)`` (R workers behind one driver),
-``max_num_seqs`` 64 both. Each run is a process of its own (a fresh local Ray), the two
-alternated (processor, LLM, processor, ...). Figures: output tokens over the engines'
+``max_num_seqs`` 64 both, prefix caching off. Each run is a process of its own (a fresh
+local Ray, its workers at niceness 0 as ``build_processor`` starts Ray: each model worker
+raises itself to 15), the two alternated (processor, LLM, processor, ...).
+``--no-stages``: the processor's rows carry ``tokenized_prompt`` (rendered and tokenized
+in the driver first, as ``LLM.chat`` does) and its chat-template and tokenize stages are
+off: what those stages' actors cost. Figures: output tokens over the engines'
 busy span (the first row scheduled to the last finished, from the rows' own metrics:
 start-up is not in it) and over the whole run (start-up in); the table gives medians and
 the per-pair ratio processor/LLM (median, min-max).
