@@ -218,7 +218,7 @@ def test_the_config_refuses_what_it_cannot_honour_by_name():
                                        chat_template_stage=ChatTemplateStageConfig(batch_size=8),
                                        tokenize_stage={"concurrency": 2})
     assert config.engine_spec().engine == {"enable_prefix_caching": True, "max_num_seqs": 8, "num_workers": 2}
-    assert config.pending_limit() == 18  # ceil(1.1 * 8 seqs * 2 workers)
+    assert config.pending_limit(config.engine_spec().config()) == 18  # ceil(1.1 * 8 seqs * 2 workers)
     assert config.stage("chat_template_stage").batch_size == 8
     assert config.stage("tokenize_stage").concurrency == 2 and config.stage("tokenize_stage").batch_size == 32
     assert isinstance(config.stage("tokenize_stage"), TokenizerStageConfig)

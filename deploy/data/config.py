@@ -148,6 +148,9 @@ class EngineSpec:
     #: the chat template engine_kwargs name (vLLM's frontend argument), if any
     chat_template: str | None = None
 
+    def config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, **self.engine)
+
 
 class vLLMEngineProcessorConfig(ProcessorConfig):  # noqa: N801 (Ray's name)
     """Ray Data LLM's ``vLLMEngineProcessorConfig``: raydecode's engine stands in for
@@ -241,10 +244,10 @@ class vLLMEngineProcessorConfig(ProcessorConfig):  # noqa: N801 (Ray's name)
         check_engine_types({k: v for k, v in engine.items() if k != "num_workers"}, engine.get("num_workers", 1))
         return EngineSpec(model=self.model_source, engine=engine, chat_template=server.get("chat_template"))
 
-    def pending_limit(self) -> int:
-        """Requests one replica holds at once: ``max_pending_requests``, else 1.1x the
-        sequences its workers run together (Ray's rule over vLLM's ``max_num_seqs``)."""
+    def pending_limit(self, engine: EngineConfig) -> int:
+        """Requests one replica (of ``engine``) holds at once: ``max_pending_requests``,
+        else 1.1x the sequences its workers run together (Ray's rule over vLLM's
+        ``max_num_seqs``)."""
         if self.max_pending_requests is not None:
             return self.max_pending_requests
-        c = EngineConfig(**self.engine_spec().engine)
-        return math.ceil(1.1 * c.max_num_seqs * c.num_workers * c.pipeline_parallel_size)
+        return math.ceil(1.1 * engine.max_num_seqs * engine.num_workers * engine.pipeline_parallel_size)

@@ -57,11 +57,7 @@ class Processor:
         self.config = config
         #: what one engine replica's workers reserve (CPU, GPU), outside Ray Data's view
         self.reservation = reservation or {}
-        self.stages: dict[str, Stage] = {}
-        for stage in stages:
-            name = stage.fn.__name__
-            count = sum(1 for s in self.stages if s.split("_")[0] == name)
-            self.stages[name if not count else f"{name}_{count + 1}"] = stage
+        self.stages: dict[str, Stage] = {stage.fn.__name__: stage for stage in stages}
         self.preprocess = _with_columns(preprocess) if preprocess is not None else None
         continue_on_error = bool(getattr(config, "should_continue_on_error", False))
         self.postprocess = (_bypassing_errors(postprocess, continue_on_error) if postprocess is not None else None)
@@ -180,6 +176,7 @@ def build_engine_processor(config: vLLMEngineProcessorConfig, *, preprocess: Row
     import ray.data
 
     spec = config.engine_spec()
+    engine = spec.config()
     trust = bool(spec.engine.get("trust_remote_code", False))
     common = {"trust_remote_code": trust, "should_continue_on_error": config.should_continue_on_error}
     stages: list[Stage] = []
@@ -207,7 +204,7 @@ def build_engine_processor(config: vLLMEngineProcessorConfig, *, preprocess: Row
     if config.runtime_env is not None:
         engine_kwargs["runtime_env"] = config.runtime_env
     stages.append(Stage(EngineStage, {
-        "spec": spec, "pending_limit": config.pending_limit(),
+        "spec": spec, "pending_limit": config.pending_limit(engine),
         "should_continue_on_error": config.should_continue_on_error,
         "dynamic_lora_loading_path": config.dynamic_lora_loading_path,
     }, engine_kwargs, {"sampling_params": "The sampling parameters (a dict of vLLM's SamplingParams fields)."}, {
@@ -218,7 +215,7 @@ def build_engine_processor(config: vLLMEngineProcessorConfig, *, preprocess: Row
     }))
     return Processor(config, stages, preprocess=preprocess, postprocess=postprocess,
                      preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
-                     reservation=replica_reservation(EngineConfig(model=spec.model, **spec.engine)))
+                     reservation=replica_reservation(engine))
 
 
 def _start_ray(runtime_env: dict[str, Any] | None) -> None:

@@ -27,14 +27,10 @@ def to_python(value: Any) -> Any:
 
 
 def batch_rows(batch: Any) -> list[dict[str, Any]]:
-    """A batch's rows as dicts of Python values: from a pyarrow Table (the stages ask
-    Ray Data for those: Arrow keeps an int column with nulls ints, numpy would make it
-    floats) or a dict of numpy columns."""
-    if hasattr(batch, "to_pylist"):
-        return [{k: to_python(v) for k, v in row.items()} for row in batch.to_pylist()]
-    columns = {name: to_python(values) for name, values in batch.items()}
-    count = len(next(iter(columns.values()))) if columns else 0
-    return [{name: values[i] for name, values in columns.items()} for i in range(count)]
+    """A batch (a pyarrow Table: the stages ask Ray Data for those, as Arrow keeps an
+    int column with nulls ints where numpy would make it floats) as dicts of Python
+    values (a column Arrow could not type travels pickled, numpy inside: converted)."""
+    return [{k: to_python(v) for k, v in row.items()} for row in batch.to_pylist()]
 
 
 def rows_batch(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
