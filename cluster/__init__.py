@@ -24,6 +24,8 @@ Modules, one idea each:
   lora              LoRARequest (vLLM's), and the adapters requests named, checked
   llm, async_llm    the synchronous and the streaming client
   outputs           RequestOutput, CompletionOutput, RequestMetrics
+  pooling           pooling requests: PoolingParams, their outputs (embeddings,
+                    classifications, scores) and the per-request finish of a vector
   demo              the embedded SmolLM2 answering chat prompts through LLM
 """
 
@@ -33,6 +35,19 @@ from cluster.engine import LLMEngine
 from cluster.llm import LLM
 from cluster.lora import LoRARequest
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cluster.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
 __all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "LoRARequest"]
+           "LoRARequest", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput"]

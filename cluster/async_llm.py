@@ -34,6 +34,7 @@ from cluster.engine import LLMEngine
 from cluster.inputs import Conversation, PromptType, render_chat
 from cluster.lora import LoRARequest
 from cluster.outputs import RequestOutput, merge_deltas
+from cluster.pooling import PoolingParams, PoolingRequestOutput
 from cluster.request import Request
 from sampler.params import RequestOutputKind, SamplingParams
 
@@ -99,6 +100,23 @@ class AsyncLLM:
             self.engine.make_request, request_id, prompt, sampling_params, priority=priority,
             lora_request=lora_request,
         )
+
+    async def make_pooling_request(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                                   request_id: str | None = None, **kwargs: Any) -> Request:
+        """A pooling model's request, validated and tokenized off the event loop
+        (``pair``: a cross-encoder's second text); ``ValueError`` for bad input."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+        request_id = request_id if request_id is not None else _random_id()
+        return await self.run_off_loop(self.engine.make_pooling_request, request_id, prompt, pooling_params, **kwargs)
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, **kwargs: Any) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's request (vLLM's ``AsyncLLM.encode``): yields its one,
+        final ``PoolingRequestOutput``."""
+        request = await self.make_pooling_request(prompt, pooling_params, request_id, **kwargs)
+        async for out in self.stream(request):
+            yield out
 
     async def render_chat(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
         """A conversation through the chat template, as a token-id prompt, off the event

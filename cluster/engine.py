@@ -46,6 +46,7 @@ from cluster.lora import LoRARequest
 from cluster.metrics import EngineMetrics, SchedulerStats
 from cluster.output_processor import apply_reply
 from cluster.outputs import RequestOutput
+from cluster.pooling import PoolingParams
 from cluster.ray_session import RaySession
 from cluster.request import Request
 from cluster.scheduler import ScheduledStep, WaitingQueue, WorkerScheduler
@@ -88,8 +89,11 @@ class LLMEngine:
         # Every worker must be able to hold any request alone (they share one queue).
         self.max_kv_tokens = min(w.scheduler.kv_blocks for w in self.workers) * config.kv_block_size
         #: checks and builds requests (``make_request``)
+        #: a pooling model's pooler (None: a generative model)
+        self.pooler = infos[0].pooler
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                              self.max_model_len, self.max_kv_tokens, infos[0].lora_targets)
+                                              self.max_model_len, self.max_kv_tokens, infos[0].lora_targets,
+                                              self.pooler)
         # The input processor's, which the deployment uses too (prompt sizes, constraints).
         self.prompt_budget = self.input_processor.prompt_budget
         self.grammar_compiler = self.input_processor.grammar_compiler
@@ -126,15 +130,20 @@ class LLMEngine:
 
     def _activate(self, slot: WorkerSlot) -> None:
         c, info = self.config, slot.info
+        pooler = info.pooler
+        # An encoder runs each prompt whole in one step (the budget holds the longest); a
+        # pooling request that pools more than its last token computes all of its prompt.
+        whole = pooler is not None and pooler.bidirectional
         slot.scheduler = WorkerScheduler(
             max_rows=min(c.max_num_seqs, info.max_num_seqs),
-            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_num_batched_tokens=max(c.max_num_batched_tokens, info.max_model_len) if whole else c.max_num_batched_tokens,
+            whole_prompts=whole,
             kv_blocks=info.num_kv_blocks,
             kv_block_size=info.kv_block_size,
             long_prefill_token_threshold=c.long_prefill_token_threshold,
             num_spec_tokens=c.spec_tokens,
             decodes_first=c.decodes_first,
-            enable_prefix_caching=c.enable_prefix_caching,
+            enable_prefix_caching=c.enable_prefix_caching and not whole,
             exclude_in_flight=self.pipeline_in_flight > 1,
             max_loras=c.max_loras if c.enable_lora else None,
             # The same on every worker of the engine (one model, one dtype): a sequence's
@@ -167,6 +176,11 @@ class LLMEngine:
         from any thread: ``AsyncLLM`` runs it off the event loop, since it tokenizes)."""
         return self.input_processor.make_request(request_id, prompt, params, priority=priority,
                                                  arrival_time=arrival_time, lora_request=lora_request)
+
+    def make_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
+                             **kw: Any) -> Request:
+        """A pooling model's request, checked and built (``InputProcessor``)."""
+        return self.input_processor.make_pooling_request(request_id, prompt, params, **kw)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, **kw: Any) -> Request:
         return self.enqueue(self.make_request(request_id, prompt, params, **kw))

@@ -14,6 +14,15 @@ from cluster.engine import LLMEngine
 from cluster.inputs import Conversation, PromptType, is_single_prompt, render_chat
 from cluster.lora import LoRARequest
 from cluster.outputs import RequestOutput
+from cluster.pooling import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine,
+)
 from cluster.reasoning_parsers import reasoning_parser
 from sampler.params import RequestOutputKind, SamplingParams
 
@@ -124,6 +133,105 @@ class LLM:
             raise ValueError(f"lora_request must be a LoRARequest or a list of {n} (one per prompt), got {lora!r}")
         return list(lora)
 
+    # -- pooling models (vLLM's offline pooling API) --------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling model's vector per prompt (``outputs.data``, a tensor): an
+        embedding or a classifier's probabilities. Every prompt is checked before any
+        is queued."""
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._pooling_params_list(pooling_params, len(prompts), truncate_prompt_tokens, pooling_task)
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self.engine.make_pooling_request(f"{next(self._ids)}", prompt, p))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        return self._checked_pooling(self._run(requests, use_tqdm))
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (``outputs.embedding``: a list of floats)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 ) -> list[ClassificationRequestOutput]:
+        """A classification model's class probabilities per prompt (``outputs.probs``)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Scores of text pairs (``outputs.score``): one text against each of a list
+        (1:N) or two lists pair by pair (N:N). A cross-encoder (a one-label classifier)
+        scores each pair in one forward; an embedding model scores the cosine
+        similarity of the two embeddings."""
+        left, right = score_pairs(data_1, data_2)
+        pooler = self.engine.pooler
+        if pooler is None or "score" not in pooler.supported_tasks:
+            raise ValueError("score needs an embedding model or a cross-encoder (a classifier with one label)")
+        params = pooling_params or PoolingParams()
+        params = params.clone(task="score", truncate_prompt_tokens=truncate_prompt_tokens
+                              if truncate_prompt_tokens is not None else params.truncate_prompt_tokens)
+        if pooler.task == "classify":
+            requests = []
+            for i, (a, b) in enumerate(zip(left, right)):
+                try:
+                    requests.append(self.engine.make_pooling_request(f"{next(self._ids)}", a, params, pair=b))
+                except ValueError as exc:
+                    raise ValueError(f"pair {i}: {exc}") from None
+            outs = self._checked_pooling(self._run(requests, use_tqdm))
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                    for o in outs]
+        texts = list(dict.fromkeys([*left, *right]))  # each distinct text embedded once
+        embedded = self.encode(texts, params.clone(task="embed"), use_tqdm=use_tqdm)
+        by_text = {t: o for t, o in zip(texts, embedded)}
+        return [ScoringRequestOutput(f"{next(self._ids)}",
+                                     ScoringOutput(cosine(by_text[a].outputs.data.numpy(), by_text[b].outputs.data.numpy())),
+                                     by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+                for a, b in zip(left, right)]
+
+    @staticmethod
+    def _pooling_params_list(params: Any, n: int, truncate: int | None, task: str | None) -> list[PoolingParams]:
+        if params is None or isinstance(params, PoolingParams):
+            params = [params or PoolingParams()] * n
+        elif not isinstance(params, (list, tuple)) or len(params) != n or not all(
+                isinstance(p, PoolingParams) for p in params):
+            raise ValueError(f"pooling_params must be PoolingParams or a list of {n}, got {params!r}")
+        changes: dict[str, Any] = {}
+        if truncate is not None:
+            changes["truncate_prompt_tokens"] = truncate
+        out = []
+        for p in params:
+            c = dict(changes)
+            if task is not None and p.task is None:
+                c["task"] = task
+            out.append(p.clone(**c) if c else p)
+        return out
+
+    @staticmethod
+    def _checked_pooling(outs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
+        for o in outs:
+            if o.outputs is None:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+        return outs
+
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         for r in requests:
@@ -137,7 +245,8 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         prompt_tokens += len(out.prompt_token_ids)
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(
                             f"input: {prompt_tokens / elapsed:.0f} tok/s, output: {out_tokens / elapsed:.0f} tok/s",
@@ -154,3 +263,23 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def score_pairs(data_1: Any, data_2: Any) -> tuple[list[str], list[str]]:
+    """The pairs ``LLM.score`` scores: a text against each of a list, a list against a
+    text, or two lists of one length pair by pair (``ValueError`` otherwise)."""
+    one, two = isinstance(data_1, str), isinstance(data_2, str)
+    left = [data_1] if one else list(data_1) if isinstance(data_1, (list, tuple)) else None
+    right = [data_2] if two else list(data_2) if isinstance(data_2, (list, tuple)) else None
+    if left is None or right is None:
+        raise ValueError("score takes a text or a list of texts on each side")
+    if not left or not right:
+        raise ValueError("score: each side needs at least one text")
+    if len(left) == 1 and len(right) > 1:
+        left = left * len(right)
+    elif len(right) == 1 and len(left) > 1:
+        right = right * len(left)
+    if len(left) != len(right):
+        raise ValueError(f"score: the two lists must have one length (or one side a single text), got {len(left)} "
+                         f"and {len(right)}")
+    return left, right

@@ -31,6 +31,11 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
     lp_ids = reply.logprob_token_ids.numpy().reshape(-1, width).tolist() if width else None
     lp_vals = reply.logprobs.numpy().reshape(-1, width).tolist() if width else None
     lp_ranks = reply.logprob_ranks.numpy().tolist() if width else None
+    # A pooling worker's vectors, by row (a row whose prompt ended this step).
+    pooled = {}
+    if reply.pooled_width:
+        vectors = reply.pooled.numpy().reshape(-1, reply.pooled_width)
+        pooled = {row: vectors[i] for i, row in enumerate(reply.pooled_rows.numpy().tolist())}
 
     step.settle()
     offset = 0
@@ -49,6 +54,10 @@ def apply_reply(step: ScheduledStep, reply: StepReply) -> list[Request]:
         placed = seq.row is not None
         if placed:
             seq.num_computed_tokens += step.num_tokens[row]
+        if row in pooled:
+            request.set_pooled(pooled[row], now)
+            changed[id(request)] = request
+            continue
         if m == 0:
             continue
         # A sampling row draws one uniform, and two per draft it verified.

@@ -6,11 +6,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
 from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cluster.pooling import PoolingOutput, PoolingParams, PoolingRequestOutput, finish_vector
 from cluster.sequence import Sequence
 from sampler.logprobs import FlatLogprobs, create_prompt_logprobs
 from sampler.params import RequestOutputKind, SamplingParams
 from worker import LoRAAdapter
+from worker.pooling import PoolerSpec
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -38,8 +43,19 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         lora: LoRAAdapter | None = None,
+        pooling: PoolingParams | None = None,
+        pooler: PoolerSpec | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
+        """``pooling``: a pooling request (of a model whose pooler is ``pooler``): its
+        prompt runs once and it finishes with one vector, no tokens (``params`` then
+        only carry what every request has); ``token_type_ids``: an encoder prompt's
+        token types (a cross-encoder's pair)."""
         self.request_id = request_id
+        #: a pooling request's options, the model's pooler, and the worker's raw vector
+        self.pooling = pooling
+        self.pooler = pooler
+        self.pooled: np.ndarray | None = None
         #: the LoRA adapter it runs with (None: the base model)
         self.lora = lora
         self.prompt = prompt
@@ -61,6 +77,9 @@ class Request:
             seq_id = f"{order}.{i}"
             seq = Sequence(seq_id, i, prompt_token_ids, child_params(params, i), tokenizer, max_model_len)
             seq.request, seq.priority, seq.order, seq.lora = self, priority, order, lora
+            if pooling is not None:
+                seq.token_type_ids = token_type_ids
+                seq.pools_every_position = pooler is not None and pooler.pooling_type != "LAST"
             self.sequences.append(seq)
         self._sent_prompt_logprobs = False
         self._sent_final = False
@@ -81,6 +100,13 @@ class Request:
         if self.finished and self.metrics.finished_time is None:
             self.metrics.finished_time = time.time()
 
+    def set_pooled(self, vector: np.ndarray, now: float) -> None:
+        """A worker's raw vector: the pooling request is done."""
+        self.pooled = np.array(vector, dtype=np.float32)
+        for seq in self.sequences:
+            seq.finish("stop")
+        self.note_tokens(now)
+
     def note_tokens(self, now: float) -> None:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
@@ -95,6 +121,8 @@ class Request:
         finished = self.finished
         if self._sent_final:
             return None
+        if self.pooling is not None:
+            return self._pooling_output()
         kind = self.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -122,6 +150,23 @@ class Request:
             metrics=self.metrics,
             error=self.error,
             num_cached_tokens=max(s.num_cached_tokens or 0 for s in self.sequences),
+        )
+
+    def _pooling_output(self) -> PoolingRequestOutput | None:
+        """A pooling request shows one output, once finished: its vector as asked for
+        (None when it failed or was aborted, ``error`` saying why)."""
+        if not self.finished:
+            return None
+        self._sent_final = True
+        data = None
+        if self.pooled is not None and self.error is None:
+            data = PoolingOutput(torch.from_numpy(finish_vector(self.pooled, self.pooling, self.pooler)))
+        error = self.error if data is None and self.error is not None else None
+        if data is None and error is None:
+            error = "aborted"
+        return PoolingRequestOutput(
+            request_id=self.request_id, outputs=data, prompt_token_ids=self.prompt_token_ids, finished=True,
+            error=error, num_cached_tokens=max(s.num_cached_tokens or 0 for s in self.sequences), prompt=self.prompt,
         )
 
     @staticmethod

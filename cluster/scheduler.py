@@ -107,13 +107,18 @@ class WorkerScheduler:
         cache_salt: str | bytes | None = None,
         exclude_in_flight: bool = False,
         max_loras: int | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         """``exclude_in_flight``: a step never takes a sequence that a step still in
         flight runs (a pipeline-parallel worker keeps several steps of different
-        sequences in flight, one per stage)."""
+        sequences in flight, one per stage). ``whole_prompts``: a sequence runs all of
+        its tokens in the step it is placed in, never in chunks (an encoder's prompts;
+        the budget must hold the longest)."""
         self.max_rows = max_rows
         self.token_budget = max_num_batched_tokens
-        self.chunk_limit = long_prefill_token_threshold or max_num_batched_tokens
+        self.whole_prompts = whole_prompts
+        self.chunk_limit = max_num_batched_tokens if whole_prompts else (
+            long_prefill_token_threshold or max_num_batched_tokens)
         self.blocks = BlockManager(kv_blocks, kv_block_size, enable_prefix_caching, cache_salt)
         self.block_size = kv_block_size
         self.num_spec_tokens = num_spec_tokens
@@ -306,6 +311,7 @@ class WorkerScheduler:
                     prompt_token_ids=Int32Array.of(prompt), output_token_ids=Int32Array.of(output),
                     num_generator_draws=rows[row].generator_draws if output else None,
                     num_computed_tokens=rows[row].num_computed_tokens, lora=rows[row].lora,
+                    token_type_ids=None if rows[row].token_type_ids is None else Int32Array.of(rows[row].token_type_ids),
                 )
                 for row, params, prompt, output in (update.added if update else [])
             ],
@@ -333,6 +339,8 @@ class WorkerScheduler:
         with the drafts it had there, so its random stream (seeded rows) continues as
         if nothing happened."""
         n = min(remaining, budget, self.chunk_limit)
+        if self.whole_prompts and n < remaining:
+            return 0  # it waits for a step with room for all of it
         if self.num_spec_tokens and n == remaining > 1 and seq.output_token_ids:
             n -= 1
         return n
@@ -353,7 +361,7 @@ class WorkerScheduler:
         """Content keys of the blocks ``seq`` may take from the prefix cache: its full
         blocks before its last known token (that one is always computed, to sample
         from), none while it still needs prompt logprobs it has not recorded."""
-        if not self.blocks.enable_prefix_caching:
+        if not self.blocks.enable_prefix_caching or seq.pools_every_position:
             return []
         request = seq.request
         if seq.params.prompt_logprobs is not None and request is not None and request.prompt_logprobs is not None \
@@ -369,6 +377,8 @@ class WorkerScheduler:
         hit = blocks.cached_prefix(keys)
         computed = hit * self.block_size
         n = self._chunk(seq, seq.num_tokens - computed, budget)
+        if n == 0:
+            return 0
         drafts = self.num_spec_tokens if n == seq.num_tokens - computed else 0
         need = max(0, self.blocks_for(computed + n + drafts) - hit)
         # Cached blocks nobody holds sit on the free list: taking them uses it up too.

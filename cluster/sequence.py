@@ -77,6 +77,11 @@ class Sequence:
         #: output length when a step it was in failed: until it has more output than
         #: that, it runs alone (see ``suspect``); -1: never failed
         self.suspect_until = -1
+        #: a pooling request to an encoder: its prompt's token types (None: all 0)
+        self.token_type_ids: list[int] | None = None
+        #: a pooling request that pools over more than its last token (mean, first
+        #: token): its whole prompt runs, nothing is taken from the prefix cache
+        self.pools_every_position = False
 
     @property
     def suspect(self) -> bool:

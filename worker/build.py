@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 
@@ -19,9 +20,11 @@ from worker.config import WorkerConfig
 from worker.cpu.backend import prepare_cpu_backend
 from worker.gpu.backend import add_flex_attention
 from worker.parallel.sharded_runner import ShardedModelRunner
+from worker.pooling import is_encoder
 from worker.protocol import GroupRank
 from worker.runner.backend import Backend
 from worker.runner.model_runner import ModelRunner
+from worker.runner.pooling_runner import PoolingModelRunner, serves_pooling
 
 logger = logging.getLogger("raydecode")
 
@@ -41,11 +44,24 @@ def choose_backend(model: nn.Module, device: torch.device, config: WorkerConfig,
     return backend
 
 
+def choose_pooling_backend(model: nn.Module, device: torch.device, config: WorkerConfig, group: Any = None) -> Backend:
+    """``choose_backend`` for a pooling model: an encoder's packed linears (its
+    attention is the packed one: no paged kernel, FlexAttention or CUDA graphs);
+    a decoder's the same as a generative model's, less the graphs (it never decodes)."""
+    config = msgspec.structs.replace(config, cuda_graphs=False)
+    if is_encoder(model.config):
+        config = msgspec.structs.replace(config, flex_attention=False, cpu_attention_kernel=False,
+                                         cpu_fused_decoder=False)
+    return choose_backend(model, device, config, group)
+
+
 def build_runner(config: WorkerConfig, group_rank: GroupRank | None = None, store: object | None = None) -> ModelRunner:
     """The runner of a worker with ``config``, on its device's backend. ``group_rank``:
     the worker is one rank of a model-parallel group (``config.group_size`` > 1): it
     loads its shard and joins the group's collectives (rank 0 through the rendezvous
     ``store`` it opened); only the leader samples."""
     if group_rank is None:
+        if serves_pooling(config):
+            return PoolingModelRunner(config, choose_pooling_backend)
         return ModelRunner(config, choose_backend)
     return ShardedModelRunner(config, group_rank, store, choose_backend)

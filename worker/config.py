@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from sampler.config import DEFAULT_MAX_LOGPROBS, LogprobsMode, SamplerConfig, check_logprobs_options
+from worker.pooling import check_pooler_config, check_runner
 from worker.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
@@ -70,6 +71,15 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     quantization: str | None = None
     #: options of the on-the-fly schemes: int4's group_size and symmetric
     quantization_config: dict[str, Any] | None = None
+    #: vLLM's runner: "auto" serves an encoder (BERT, RoBERTa, XLM-RoBERTa), a base
+    #: model and a sequence-classification model as pooling models (embeddings, scores,
+    #: classification), anything else as a generative one; "pooling" makes a decoder an
+    #: embedder (last-token pooling); "generate" refuses a model that only pools
+    runner: str = "auto"
+    #: a pooling model's pooler, vLLM's keys: {"pooling_type": "LAST" | "MEAN" | "CLS",
+    #: "normalize": bool, "use_activation": bool}; None: the model's sentence-transformers
+    #: config, else vLLM's defaults (CLS for encoders, LAST for decoders, normalised)
+    pooler_config: dict[str, Any] | None = None
     # -- model parallelism (one replica as a group of Ray actors) -----------------
     #: tensor-parallel ranks per replica: each holds a slice of every layer's heads and
     #: MLP and of the vocabulary (two all-reduces per layer); the heads must divide
@@ -218,6 +228,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         require(is_int(self.seed), "seed", "an integer", self.seed)
         check_logprobs_options(self.max_logprobs, self.logprobs_mode)
         check_quantization(self.quantization, self.quantization_config)
+        check_runner(self.runner)
+        check_pooler_config(self.pooler_config)
+        if self.runner == "pooling":
+            check_pooling_options(self)
         require(isinstance(self.enable_lora, bool), "enable_lora", "true or false", self.enable_lora)
         check_positive(self, "max_loras", "max_lora_rank")
         check_positive(self, "max_cpu_loras", optional=True)
@@ -275,6 +289,19 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
             max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
             logits_processors=list(self.logits_processors),
         )
+
+
+def check_pooling_options(config: WorkerConfig) -> None:
+    """A pooling model runs on one rank, without drafts or adapters (``ValueError``
+    naming the option that asks for them)."""
+    if config.group_size > 1:
+        raise ValueError("runner pooling: a pooling model runs in a single-rank worker (tensor_parallel_size and "
+                         "pipeline_parallel_size 1)")
+    if config.spec_tokens:
+        raise ValueError("runner pooling: speculative decoding (speculative_config, num_spec_tokens) has nothing "
+                         "to draft for a pooling model")
+    if config.enable_lora:
+        raise ValueError("runner pooling: enable_lora is not supported for pooling models yet")
 
 
 def parse_partition(text: str | None) -> list[int] | None:

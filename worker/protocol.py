@@ -16,8 +16,9 @@ import numpy as np
 
 from sampler.params import SamplingParams
 from worker.lora_adapter import LoRAAdapter
+from worker.pooling import PoolerSpec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -96,6 +97,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     weight_bytes: int = 0
     #: with enable_lora: the linears an adapter may attach to, name -> [in, out]
     lora_targets: dict[str, list[int]] = {}
+    #: a pooling model's pooler (None: a generative model)
+    pooler: PoolerSpec | None = None
 
 
 # -- driver -> worker ------------------------------------------------------------------
@@ -116,7 +119,7 @@ class GroupRank(msgspec.Struct, kw_only=True, frozen=True):
     timeout_s: float = 60.0
 
 
-class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
+class AddedRequest(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """A request placed into ``row``: new, or resumed with the output it already has
     (after preemption or a lost worker). The worker recomputes its cache from scratch."""
 
@@ -133,6 +136,9 @@ class AddedRequest(msgspec.Struct, kw_only=True, frozen=True):
     num_computed_tokens: NonNegative = 0
     #: the LoRA adapter it runs with (None: the base model)
     lora: LoRAAdapter | None = None
+    #: a pooling request to an encoder: the token type of each prompt token (a
+    #: cross-encoder's pair: 0 for the first text, 1 for the second); None: all 0
+    token_type_ids: Int32Array | None = None
 
 
 class MovedRows(msgspec.Struct, array_like=True, frozen=True):
@@ -208,6 +214,9 @@ class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     Prompt logprobs: chunk ``i`` belongs to row ``prompt_logprob_rows[i]`` and covers
     ``prompt_logprob_counts[i]`` prompt positions, each ``prompt_logprobs_width`` wide
     (the actual prompt token first).
+    A pooling worker samples nothing: each row whose prompt ends this step gets a
+    vector, row ``pooled_rows[i]`` the ``pooled_width`` values at ``i * pooled_width``
+    of ``pooled``.
     ``error`` set means the step failed as a whole (a logits processor raised): every
     row is listed in ``failed``. ``timings`` say where the worker's time went.
     """
@@ -228,6 +237,9 @@ class StepReply(msgspec.Struct, kw_only=True, frozen=True, tag="reply"):
     prompt_logprob_ranks: Int32Array = EMPTY_I32
     num_draft_tokens: Int32Array = EMPTY_I32
     num_accepted_tokens: Int32Array = EMPTY_I32
+    pooled_rows: Int32Array = EMPTY_I32
+    pooled_width: int = 0
+    pooled: Float32Array = EMPTY_F32
     failed: list[RowError] = []
     error: str | None = None
     timings: StepTimings | None = None

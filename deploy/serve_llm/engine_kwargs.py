@@ -57,14 +57,14 @@ PD_KWARGS = frozenset({"kv_transfer_config", "ec_transfer_config"})
 #: that raydecode has no counterpart for, recent and older vLLM releases together.
 VLLM_ONLY = frozenset({
     # engine: model and loading
-    "enable_return_routed_experts", "model_weights", "hf_config_path", "runner", "convert", "task",
+    "enable_return_routed_experts", "model_weights", "hf_config_path", "convert", "task",
     "skip_tokenizer_init", "enable_prompt_embeds", "tokenizer_mode", "allowed_local_media_path",
     "allowed_media_domains", "download_dir", "safetensors_load_strategy", "load_format", "config_format",
     "revision", "code_revision", "hf_token", "hf_overrides", "tokenizer_revision",
     "allow_deprecated_quantization", "rope_scaling", "rope_theta", "generation_config",
     "override_generation_config", "model_impl", "override_attention_dtype", "model_loader_extra_config",
     "ignore_patterns", "use_tqdm_on_load", "pt_load_map_location", "max_parallel_loading_workers",
-    "io_processor_plugin", "pooler_config", "override_pooler_config", "override_neuron_config",
+    "io_processor_plugin", "override_pooler_config", "override_neuron_config",
     "tokenizer_pool_size", "tokenizer_pool_type", "tokenizer_pool_extra_config", "worker_use_ray",
     "engine_use_ray",
     # engine: parallelism beyond tensor/pipeline/data

@@ -319,12 +319,14 @@ class FusedDecoder:
         return out
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
-                logits_rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+                logits_rows: torch.Tensor, hidden: torch.Tensor | None = None, head: bool = True,
+                ) -> torch.Tensor | None:
         """``input_ids``, ``position_ids`` ``[T]``; the logits ``[len(logits_rows),
-        vocab]`` of the packed positions ``logits_rows``. A pipeline stage after the
-        first passes the previous stage's ``hidden`` states ``[T, hidden]``; one before
-        the last returns its own; in a tensor-parallel stage only tensor rank 0 gets
-        the logits (the others None)."""
+        vocab]`` of the packed positions ``logits_rows`` (``head`` False: their hidden
+        states after the final norm, what a pooling model pools). A pipeline stage after
+        the first passes the previous stage's ``hidden`` states ``[T, hidden]``; one
+        before the last returns its own; in a tensor-parallel stage only tensor rank 0
+        gets the logits (the others None)."""
         # [T, hidden]: the residual stream, updated in place
         h = self.embed_tokens(input_ids) if hidden is None else hidden
         rotary = self.rotary(h, position_ids)
@@ -356,6 +358,8 @@ class FusedDecoder:
         if not self.last_stage:
             return h
         last = self.rms_norm(h.index_select(0, logits_rows), self.final_norm)
+        if not head:
+            return last
         logits = linear(last, self.lm_head)
         if self.group is not None:
             logits = self.group.gather_logits(logits, self.vocab_size)

@@ -37,7 +37,9 @@ class Decoder(Protocol):
     of the transformers forward."""
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: AttentionPlan,
-                logits_rows: torch.Tensor) -> torch.Tensor: ...
+                logits_rows: torch.Tensor, hidden: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+        """The logits of the packed positions ``logits_rows`` (``head`` False: their
+        hidden states after the final norm)."""
 
 
 class StepGraphs(Protocol):
@@ -89,3 +91,16 @@ def forward_logits(model: nn.Module, decoder: Decoder | None, input_ids: torch.T
             input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
             use_cache=False, logits_to_keep=keep, attention_plan=plan,
         ).logits[0]
+
+
+def forward_hidden(model: nn.Module, decoder: Decoder | None, input_ids: torch.Tensor, plan: AttentionPlan,
+                   keep: torch.Tensor) -> torch.Tensor:
+    """The last hidden states ``[len(keep), hidden]`` (after the final norm) of the
+    packed positions ``keep``: what a decoder used as a pooling model pools."""
+    if decoder is not None:
+        return decoder.forward(input_ids, plan.token_positions, plan, keep, head=False)
+    base = getattr(model, model.base_model_prefix)
+    with plan_in_effect(plan):
+        out = base(input_ids=input_ids.unsqueeze(0), position_ids=plan.token_positions.unsqueeze(0),
+                   use_cache=False, attention_plan=plan)
+    return out.last_hidden_state[0].index_select(0, keep)

@@ -70,8 +70,15 @@ class InputBatch:
         logitsprocs: LogitsProcessors,
         thinking_budget: ThinkingBudgetStateHolder | None = None,
         kv_cache: PagedKVCache | None = None,
+        pooling: bool = False,
+        whole_prompts: bool = False,
     ) -> None:
+        """``pooling``: the rows are pooling requests (a prompt may fill
+        ``max_model_len``: nothing is generated after it); ``whole_prompts``: every row
+        runs its whole prompt in the step that runs it (an encoder's)."""
         rows, vocab = config.max_num_seqs, config.vocab_size
+        self.pooling = pooling
+        self.whole_prompts = whole_prompts
         self.config = config
         self.max_rows = rows
         self.vocab_size = vocab
@@ -247,6 +254,13 @@ class InputBatch:
         if len(too_many):
             row = int(too_many[0])
             raise ProtocolError(f"row {row} would hold {int(total[row])} blocks, more than {self.block_table.shape[1]}")
+        if self.whole_prompts:
+            part = np.flatnonzero((sched > 0) & ((computed > 0) | (sched != known)))
+            if len(part):
+                row = int(part[0])
+                raise ProtocolError(
+                    f"num_scheduled_tokens[{row}] = {int(sched[row])}: request {request_id(row)!r} must run its whole "
+                    f"prompt of {int(known[row])} tokens in one step (an encoder attends over all of it)")
         short = np.flatnonzero((sched > 0) & ((computed + sched) > total * self.block_size))
         if len(short):
             row = int(short[0])
@@ -274,7 +288,7 @@ class InputBatch:
         if len(prompt) == 0:
             raise ProtocolError(f"{where}: prompt_token_ids is empty")
         total = len(prompt) + len(output)
-        if total >= self.max_model_len:
+        if total > self.max_model_len or (total == self.max_model_len and not self.pooling):
             raise ProtocolError(
                 f"{where}: {total} tokens leave no room under max_model_len {self.max_model_len}"
             )

@@ -549,8 +549,13 @@ class ModelRunner:
                 self.reasoning, self.config.max_num_seqs, self.config.spec_tokens, self.device, False
             )
         return InputBatch(
-            self.sampler_config, self.max_model_len, self.device, logitsprocs, thinking, self.kv
+            self.sampler_config, self.max_model_len, self.device, logitsprocs, thinking, self.kv,
+            **self._batch_options(),
         )
+
+    def _batch_options(self) -> dict[str, Any]:
+        """``InputBatch`` options of this runner's kind (a pooling runner's)."""
+        return {}
 
     def reset(self) -> None:
         """Drops every request and rebuilds the processors (cache rows are reused)."""

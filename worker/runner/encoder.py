@@ -1,0 +1,173 @@
+"""Encoder models (BERT, RoBERTa, XLM-RoBERTa) run over one step's packed prompts.
+
+An encoder attends bidirectionally within a prompt, so a prompt runs whole in one step
+and keeps no KV cache. The step's prompts are packed into one sequence of tokens, with
+their positions restarting at each prompt (and each prompt's token types), and run
+through transformers' own encoder layers; only attention is ours: ``packed_attention``,
+registered in transformers' attention interface as ``PACKED_ATTENTION``, attends within
+each prompt's span of the packed tokens (SDPA per span, or over all spans at once when
+they have one length). Nothing is padded, so a step costs its real tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.pooling import ENCODER_TYPES, PoolingModelError, dense_layers
+
+PACKED_ATTENTION = "raydecode_packed"
+
+
+@dataclass
+class PackedSpans:
+    """Where each prompt lies in a step's packed tokens."""
+
+    starts: list[int]
+    lengths: list[int]
+    #: the layers whose attention ran through ``packed_attention`` (the load's probe)
+    seen: set[int] | None = None
+
+
+_spans: ContextVar[PackedSpans | None] = ContextVar("raydecode_packed_spans", default=None)
+
+
+@contextlib.contextmanager
+def spans_in_effect(spans: PackedSpans) -> Iterator[None]:
+    token = _spans.set(spans)
+    try:
+        yield
+    finally:
+        _spans.reset(token)
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention call over packed prompts: ``query``/``key``/``value``
+    ``[1, heads, T, head_dim]`` -> ``[1, T, heads, head_dim]``, each token attending to
+    every token of its own prompt only."""
+    spans = _spans.get()
+    if spans is None:
+        raise RuntimeError(f"{PACKED_ATTENTION} attention needs the step's packed spans (spans_in_effect)")
+    if spans.seen is not None:
+        spans.seen.add(id(module))
+    heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
+    lengths = spans.lengths
+    if len(set(lengths)) == 1:  # one length: every prompt in one call
+        n, length = len(lengths), lengths[0]
+
+        def split(x: torch.Tensor) -> torch.Tensor:
+            return x[0].view(x.shape[1], n, length, dim).transpose(0, 1)
+
+        out = F.scaled_dot_product_attention(split(query), split(key), split(value), scale=scaling)
+        return out.permute(0, 2, 1, 3).reshape(1, total, heads, dim), None
+    out = query.new_empty(total, heads, dim)
+    for start, length in zip(spans.starts, lengths):
+        part = slice(start, start + length)
+        o = F.scaled_dot_product_attention(query[:, :, part], key[:, :, part], value[:, :, part], scale=scaling)
+        out[part] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register_packed_attention() -> None:
+    """Makes ``attn_implementation=PACKED_ATTENTION`` mean ``packed_attention`` in
+    transformers (idempotent). It needs no mask: transformers builds none for an
+    attention function without a mask function of its own."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+class EncoderModel:
+    """A loaded encoder: its base model, the task's head, and the packed forward."""
+
+    def __init__(self, model: nn.Module, task: str, folder: str) -> None:
+        self.model = model
+        self.config = model.config
+        self.task = task
+        kind = self.config.model_type
+        if kind not in ENCODER_TYPES:
+            raise PoolingModelError(f"model_type {kind!r} is not an encoder raydecode serves "
+                                    f"(it serves {sorted(ENCODER_TYPES)})")
+        self.base = getattr(model, model.base_model_prefix) if task == "classify" else model
+        #: the first position id: 0 for BERT, RoBERTa's padding index + 1
+        first = ENCODER_TYPES[kind]
+        self.first_position = first if first is not None else int(self.config.pad_token_id) + 1
+        self.type_vocab_size = int(getattr(self.config, "type_vocab_size", 1) or 1)
+        self.dense = load_dense_layers(folder, model.dtype) if task == "embed" else []
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The self-attention module of every layer (what the probe expects to run)."""
+        return [m for m in self.base.modules() if m.__class__.__name__.endswith("SelfAttention")]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor,
+                spans: PackedSpans) -> torch.Tensor:
+        """The hidden states ``[T, hidden]`` of packed prompts (``positions`` restart at
+        0 with each prompt)."""
+        with spans_in_effect(spans):
+            out = self.base(input_ids=input_ids.unsqueeze(0), position_ids=(positions + self.first_position).unsqueeze(0),
+                            token_type_ids=token_type_ids.unsqueeze(0))
+        return out.last_hidden_state[0]
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` pooled states -> what requests get: an embedder's vectors
+        through a sentence-transformers folder's Dense layers, a classifier's logits
+        (BERT: its pooler and classifier; RoBERTa: its classification head)."""
+        if self.task == "embed":
+            for linear, activation in self.dense:
+                pooled = activation(linear(pooled))
+            return pooled
+        model = self.model
+        if getattr(self.base, "pooler", None) is not None:  # BERT: dense + tanh over the first token
+            return model.classifier(self.base.pooler(pooled.unsqueeze(1)))
+        return model.classifier(pooled.unsqueeze(1))  # RoBERTa: the head takes the first token itself
+
+
+def load_encoder(path: str, task: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> nn.Module:
+    """transformers' base model (embed) or sequence-classification model (classify)
+    from ``path``, attending through ``packed_attention``."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    register_packed_attention()
+    cls = AutoModelForSequenceClassification if task == "classify" else AutoModel
+    try:
+        return cls.from_pretrained(path, dtype=dtype, attn_implementation=PACKED_ATTENTION, **kwargs).eval()
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise PoolingModelError(f"cannot load {path} as an encoder ({task}): {exc}") from None
+
+
+def load_dense_layers(folder: str, dtype: torch.dtype) -> list[tuple[nn.Linear, nn.Module]]:
+    """A sentence-transformers folder's Dense modules as (linear, activation) pairs."""
+    out = []
+    for cfg in dense_layers(folder):
+        linear = nn.Linear(cfg["in_features"], cfg["out_features"], bias=bool(cfg.get("bias", True)))
+        state = _dense_weights(cfg["folder"])
+        try:
+            linear.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+        except RuntimeError as exc:
+            raise PoolingModelError(f"{cfg['folder']}: the Dense module's weights do not fit its config: {exc}") from None
+        act = nn.Tanh() if cfg["activation_function"].endswith("Tanh") else nn.Identity()
+        out.append((linear.to(dtype).eval(), act))
+    return out
+
+
+def _dense_weights(folder: str) -> dict[str, torch.Tensor]:
+    path = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(path):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    path = os.path.join(folder, "pytorch_model.bin")
+    if os.path.isfile(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise PoolingModelError(f"{folder}: a Dense module without weights (model.safetensors or pytorch_model.bin)")
