@@ -33,8 +33,9 @@ from deploy.ingress import OpenAIIngress
 
 logger = logging.getLogger("ray.serve")
 
-#: the engine calls that generate, under ``Admission``
-GENERATION_CALLS = frozenset({"completions", "chat"})
+#: the engine calls that put work in the engine (generation, and a pooling model's
+#: embeddings, scores and classifications), under ``Admission``
+GENERATION_CALLS = frozenset({"completions", "chat", "embeddings", "pooling", "classify", "score", "rerank"})
 
 
 class Admission:
@@ -115,8 +116,14 @@ class _LocalMethod:
         return self._result(*args)
 
     async def _result(self, *args: Any) -> Any:
-        result = self._method(*args)
-        return await result if inspect.isawaitable(result) else result
+        if self._admission is not None:
+            await self._admission.enter()
+        try:
+            result = self._method(*args)
+            return await result if inspect.isawaitable(result) else result
+        finally:
+            if self._admission is not None:
+                self._admission.leave()
 
     async def _admitted(self, *args: Any) -> AsyncIterator[Any]:
         """The call's items, inside the admission limits when it generates."""

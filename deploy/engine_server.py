@@ -46,6 +46,7 @@ from deploy.openai.reply import Reply, error_reply, sse_event
 from deploy.openai.responses import TokenText, new_id
 from deploy.openai.serving_chat import ChatChunks, chat_response
 from deploy.openai.serving_completion import CompletionChoices, completion_chunks, completion_response
+from deploy.openai.serving_pooling import PoolingServing, wrong_kind
 from deploy.openai.structured import Constraint
 from deploy.openai.tools import ApiOptions
 from deploy.timeline import TimelineLog
@@ -146,9 +147,10 @@ async def coalesce(events: AsyncIterator[str]) -> AsyncIterator[str]:
         await events.aclose()
 
 
-class EngineServer:
+class EngineServer(PoolingServing):
     """One engine (its workers, scheduler and tokenizer) serving the OpenAI protocol
-    for one model. ``args`` are ``ServerArgs`` as a dict."""
+    for one model (a pooling model's endpoints: ``PoolingServing``). ``args`` are
+    ``ServerArgs`` as a dict."""
 
     def __init__(self, args: dict[str, Any]) -> None:
         from deploy.server_args import ServerArgs
@@ -499,6 +501,8 @@ class EngineServer:
                            lora: dict[str, Any] | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()
         model = self.model_name if lora is None else lora.get("model", lora["name"])
+        if self.pooler is not None:
+            raise wrong_kind(self.model_name, "/v1/completions", self.pooler)
         try:  # schemas are checked here: off the event loop
             params = await self.llm.run_off_loop(body.sampling_params, self.api_options)
             prompts = body.prompts()
@@ -534,6 +538,8 @@ class EngineServer:
                     lora: dict[str, Any] | None) -> tuple[Reply, AsyncIterator[str] | None]:
         started = time.time()
         model = self.model_name if lora is None else lora.get("model", lora["name"])
+        if self.pooler is not None:
+            raise wrong_kind(self.model_name, "/v1/chat/completions", self.pooler)
         try:
             def prepare() -> tuple[Any, list[dict[str, Any]]]:  # schemas are checked here: off the event loop
                 params = body.sampling_params(self.api_options)

@@ -48,6 +48,13 @@ from deploy.lora_adapters import (
 )
 from deploy.metrics import ReplicaMetrics
 from deploy.openai.errors import APIError, bad_request, error_body
+from deploy.openai.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deploy.openai.reply import Reply, sse_event
 from deploy.openai.responses_api import (
@@ -415,6 +422,35 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_key(raw)
         return await self._generate("chat", body, raw.headers.get("x-request-id"))
+
+    # -- routes: pooling models (deploy/openai/serving_pooling.py) ----------------------
+
+    async def _pool(self, method: str, body: Any, raw: Request) -> JSONResponse:
+        self._check_key(raw)
+        return _json(await self._call(self._engine(body.model), method, body, raw.headers.get("x-request-id")))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest, raw: Request) -> JSONResponse:
+        return await self._pool("embeddings", body, raw)
+
+    @app.post("/pooling")
+    async def pooling(self, body: PoolingRequest, raw: Request) -> JSONResponse:
+        return await self._pool("pooling", body, raw)
+
+    @app.post("/classify")
+    async def classify(self, body: ClassificationRequest, raw: Request) -> JSONResponse:
+        return await self._pool("classify", body, raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(self, body: ScoreRequest, raw: Request) -> JSONResponse:
+        return await self._pool("score", body, raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(self, body: RerankRequest, raw: Request) -> JSONResponse:
+        return await self._pool("rerank", body, raw)
 
     # -- routes: the Responses API (deploy/openai/responses_api.py) ---------------------
 

@@ -18,7 +18,9 @@ from worker.protocol import Codec
 def pool_through_scheduler(runner: Any, prompts: list[list[int]], *, token_types: list[list[int] | None] | None = None,
                            budget: int = 64, rows: int = 8, prefix_caching: bool = False,
                            params: PoolingParams | None = None, max_steps: int = 1000) -> tuple[list[Any], int]:
-    """Each prompt's output (``Request.make_output()``) and the steps it took."""
+    """Each prompt's output (``Request.make_output()``) and the steps it took; the
+    runner starts empty."""
+    runner.reset()  # (rows a previous call left finished are never removed by this scheduler)
     info, codec = runner.info, Codec()
     pooler = info.pooler
     whole = pooler.bidirectional

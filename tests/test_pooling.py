@@ -204,9 +204,7 @@ def _cached_runner(folder):
     key = ("runner", str(folder))
     if key not in _CACHE:
         _CACHE[key] = runner_for(folder)
-    runner = _CACHE[key]
-    runner.reset()
-    return runner
+    return _CACHE[key]
 
 
 def _cached_reference(folder, cls):
