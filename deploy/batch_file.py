@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 #: The endpoints a batch line may name, and the engine call each is
-URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings",
+        "/v1/score": "score", "/score": "score", "/v1/rerank": "rerank", "/rerank": "rerank"}
 #: Endpoints of the format that this engine does not serve (yet): their lines get a 400
-UNSERVED = {"/v1/embeddings": "embeddings (raydecode has no pooling models yet)",
-            "/v1/score": "scores", "/v1/rerank": "rerank", "/v1/responses": "the Responses API in a batch"}
+UNSERVED = {"/v1/responses": "the Responses API in a batch"}
 #: The longest line read (bytes): a longer one is an error line, not a crash
 MAX_LINE_BYTES = 16 * 1024 * 1024
 

@@ -196,7 +196,8 @@ def test_the_config_refuses_what_it_cannot_honour_by_name():
         (dict(concurrency=0), "concurrency"),
         (dict(concurrency=(3, 2)), "concurrency"),
         (dict(batch_size=0), "batch_size"),
-        (dict(task_type="embed"), "task_type"),
+        (dict(task_type="score"), "task_type"),
+        (dict(task_type="embed", engine_kwargs={"runner": "generate"}), "engine_kwargs.runner"),
         (dict(task_type="nonsense"), "task_type"),
         (dict(engine_kwargs={"no_such_arg": 1}), "engine_kwargs.no_such_arg"),
         (dict(engine_kwargs={"kv_transfer_config": {}}), "engine_kwargs.kv_transfer_config"),
@@ -268,3 +269,31 @@ def ours_on(node) -> list[str]:
         if "EngineStage" in title or title.startswith("ray::Worker"):
             titles.append(title.strip())
     return titles
+
+
+@pytest.mark.slow
+def test_an_embedding_processor_writes_sentence_transformers_vectors(ray_local, tmp_path):
+    """``task_type="embed"`` on a sentence-transformers folder: every row's ``embeddings``
+    equal sentence-transformers' own ``encode`` of its prompt (``pooling_params`` per row)."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from tiny_encoder import build_sentence_transformer, build_tiny_encoder
+
+    folder = str(build_sentence_transformer(tmp_path / "st", build_tiny_encoder(tmp_path / "bert"), pooling="mean"))
+    processor = build_processor(
+        vLLMEngineProcessorConfig(model_source=folder, task_type="embed", batch_size=16, concurrency=1,
+                                  engine_kwargs={"max_num_seqs": 16}, chat_template_stage=False,
+                                  detokenize_stage=False),
+        preprocess=lambda row: dict(prompt=text_of(int(row["id"])),
+                                    pooling_params={"use_activation": int(row["id"]) % 4 != 0}),
+        postprocess=lambda row: dict(id=row["id"], vector=row["embeddings"], n=row["num_input_tokens"]),
+    )
+    rows = sorted(processor(ray.data.range(64, override_num_blocks=4)).take_all(), key=lambda r: r["id"])
+    ref = SentenceTransformer(folder, device="cpu").encode([text_of(i) for i in range(64)])
+    assert [r["id"] for r in rows] == list(range(64))
+    for r in rows:
+        v = np.asarray(r["vector"])
+        if r["id"] % 4 == 0:  # use_activation off: the mean, not normalised
+            v = v / np.linalg.norm(v)
+        np.testing.assert_allclose(v, ref[r["id"]], atol=1e-5)

@@ -32,7 +32,7 @@ def test_a_line_that_cannot_run_is_an_error_line_naming_it():
         json.dumps({"custom_id": 3, "url": "/v1/completions", "body": {}}): "custom_id",
         json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}): "method",
         json.dumps({"custom_id": "a", "url": "/v1/nope", "body": {}}): "url",
-        json.dumps({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}): "embeddings",
+        json.dumps({"custom_id": "a", "url": "/v1/responses", "body": {"input": "x"}}): "Responses API",
         json.dumps({"custom_id": "a", "url": "/v1/completions", "body": "x"}): "body",
         json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {}, "extra": 1}): "extra",
     }
@@ -152,6 +152,8 @@ def test_a_killed_run_resumes_to_each_custom_id_once_with_llm_generates_answer(r
     errors = {r["custom_id"]: r for r in results if r["response"]["status_code"] != 200}
     assert set(errors) == set(bad) - {"not-json"} | {None}
     assert errors["other-model"]["response"]["status_code"] == 404
+    assert errors["embed"]["response"]["status_code"] == 404  # a generative model has no embeddings
+    assert "generative model" in errors["embed"]["error"]["error"]["message"]
     assert "temperature" in errors["neg-temp"]["error"]["error"]["message"]
     assert "stream" in errors["streamed"]["error"]["error"]["message"]
 
@@ -181,3 +183,38 @@ def test_a_killed_run_resumes_to_each_custom_id_once_with_llm_generates_answer(r
 
 def _count(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_embedding_and_score_lines_on_an_embedding_model(ray_local, tmp_path):
+    """``/v1/embeddings`` and ``/v1/score`` lines on a sentence-transformers folder: each
+    answer equals sentence-transformers' own ``encode``."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from tiny_encoder import build_sentence_transformer, build_tiny_encoder
+
+    folder = build_sentence_transformer(tmp_path / "st", build_tiny_encoder(tmp_path / "bert"), pooling="mean")
+    texts = [f"the quick brown fox {i}" for i in range(12)]
+    lines = [json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                         "body": {"input": [t, texts[0]]}}) for i, t in enumerate(texts)]
+    lines.append(json.dumps({"custom_id": "s", "method": "POST", "url": "/v1/score",
+                             "body": {"queries": texts[0], "documents": texts[:3]}}))
+    lines.append(json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                             "body": {"input": "x", "dimensions": 8}}))
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    address = ray_local.get_runtime_context().gcs_address
+    proc = run_batch(["-i", str(inp), "-o", str(out), "--model", str(folder), "--served-model-name", "st",
+                      "--batch-size", "4"], address, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_text = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log_text[-3000:]
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    ref = SentenceTransformer(str(folder), device="cpu").encode(texts)
+    for i in range(len(texts)):
+        data = by_id[f"e{i}"]["response"]["body"]["data"]
+        np.testing.assert_allclose([d["embedding"] for d in data], ref[[i, 0]], atol=1e-5)
+    scores = [d["score"] for d in by_id["s"]["response"]["body"]["data"]]
+    np.testing.assert_allclose(scores, ref[:3] @ ref[0], atol=1e-5)
+    assert by_id["bad"]["response"]["status_code"] == 400
+    assert "Matryoshka" in by_id["bad"]["error"]["error"]["message"]

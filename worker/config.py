@@ -77,8 +77,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     #: embedder (last-token pooling); "generate" refuses a model that only pools
     runner: str = "auto"
     #: a pooling model's pooler, vLLM's keys: {"pooling_type": "LAST" | "MEAN" | "CLS",
-    #: "normalize": bool, "use_activation": bool}; None: the model's sentence-transformers
-    #: config, else vLLM's defaults (CLS for encoders, LAST for decoders, normalised)
+    #: "use_activation": bool (embeddings normalised, classifications activated)};
+    #: None: the model's sentence-transformers config, else vLLM's defaults (CLS for
+    #: encoders, LAST for decoders, use_activation on)
     pooler_config: dict[str, Any] | None = None
     # -- model parallelism (one replica as a group of Ray actors) -----------------
     #: tensor-parallel ranks per replica: each holds a slice of every layer's heads and

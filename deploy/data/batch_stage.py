@@ -2,7 +2,8 @@
 (the HTTP endpoint's own engine side: the same request models, checks, chat templating,
 tools, structured outputs and response bodies), answering each batch line as the
 endpoint would answer its body. Rows in: ``line``, ``custom_id``, ``key``, ``call``
-(``chat`` or ``completions``), ``body`` (JSON text); rows out: ``key``, ``output``
+(``chat``, ``completions``, or a pooling model's ``embeddings``, ``score``, ``rerank``),
+``body`` (JSON text); rows out: ``key``, ``output``
 (the output line's JSON text), ``status``, ``prompt_tokens``, ``completion_tokens``.
 A batch's rows come back together once all have finished (a replica that dies
 mid-batch gives nothing back; Ray Data retries the batch on a live one).
@@ -24,12 +25,16 @@ from deploy.batch_file import error_body, output_line
 from deploy.data.rows import batch_rows, rows_batch
 from deploy.engine_server import EngineServer
 from deploy.openai.errors import APIError, bad_request
+from deploy.openai.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from deploy.openai.protocol import ChatCompletionRequest, CompletionRequest
 from deploy.openai.reply import Reply
 
 logger = logging.getLogger("ray.data")
 
-MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest,
+          "score": ScoreRequest, "rerank": RerankRequest}
+#: the calls a pooling model answers whole (no stream of items)
+POOLING_CALLS = frozenset({"embeddings", "score", "rerank"})
 
 
 class BatchLineStage:
@@ -81,12 +86,15 @@ class BatchLineStage:
                                    400, "stream")
         assert self._slots is not None
         async with self._slots:
-            call = self.server.chat if row["call"] == "chat" else self.server.completions
             reply = None
             try:
-                async for item in call(body, request_id=f"batch-{row['line']}"):
-                    reply = item
-                    break  # the head: a whole answer's status and body
+                if row["call"] in POOLING_CALLS:
+                    reply = await getattr(self.server, row["call"])(body, request_id=f"batch-{row['line']}")
+                else:
+                    call = self.server.chat if row["call"] == "chat" else self.server.completions
+                    async for item in call(body, request_id=f"batch-{row['line']}"):
+                        reply = item
+                        break  # the head: a whole answer's status and body
             except APIError as exc:
                 return exc.status, error_body(f"{where}: {exc.message}", exc.status, exc.param)
         if not isinstance(reply, Reply):

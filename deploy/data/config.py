@@ -19,6 +19,8 @@ from deploy.serve_llm.placement import checked_accelerator_type, place_workers
 
 #: Ray Data LLM's task types; raydecode runs "generate" (the rest need a pooling path)
 TASK_TYPES = ("generate", "embed", "classify", "score", "reward")
+#: the pooling tasks raydecode runs (Ray's score and reward are vLLM's reward models)
+POOLING_TASK_TYPES = ("embed", "classify")
 
 
 class _Strict(BaseModel):
@@ -147,6 +149,8 @@ class EngineSpec:
     engine: dict[str, Any] = field(default_factory=dict)
     #: the chat template engine_kwargs name (vLLM's frontend argument), if any
     chat_template: str | None = None
+    #: Ray's task type: "generate", or a pooling model's "embed" / "classify"
+    task: str = "generate"
 
     def config(self) -> EngineConfig:
         return EngineConfig(model=self.model, **self.engine)
@@ -179,9 +183,9 @@ class vLLMEngineProcessorConfig(ProcessorConfig):  # noqa: N801 (Ray's name)
     def _task_type(cls, value: str) -> str:
         if value not in TASK_TYPES:
             raise ValueError(f"task_type: invalid task type {value!r} (Ray Data LLM's: {', '.join(TASK_TYPES)})")
-        if value != "generate":
-            raise ValueError(f"task_type: {value!r} is not supported by raydecode yet (it has no pooling "
-                             "models); 'generate' is")
+        if value not in POOLING_TASK_TYPES + ("generate",):
+            raise ValueError(f"task_type: {value!r} is not supported by raydecode yet (it runs 'generate', "
+                             f"{', '.join(repr(t) for t in POOLING_TASK_TYPES)})")
         return value
 
     @field_validator("max_pending_requests", "max_tasks_in_flight_per_actor")
@@ -240,9 +244,15 @@ class vLLMEngineProcessorConfig(ProcessorConfig):  # noqa: N801 (Ray's name)
             engine["num_workers"] = server["num_workers"]
         if self.dynamic_lora_loading_path is not None:
             engine.setdefault("enable_lora", True)
+        if self.task_type in POOLING_TASK_TYPES:
+            if engine.get("runner", "pooling") != "pooling":
+                raise ValueError(f"engine_kwargs.runner: task_type {self.task_type!r} runs a pooling model "
+                                 f"(runner 'pooling'), got {engine['runner']!r}")
+            engine["runner"] = "pooling"  # (Ray's vLLM stage sets it for these tasks too)
         place_workers(engine, self.placement_group_config, None, self.accelerator_type)
         check_engine_types({k: v for k, v in engine.items() if k != "num_workers"}, engine.get("num_workers", 1))
-        return EngineSpec(model=self.model_source, engine=engine, chat_template=server.get("chat_template"))
+        return EngineSpec(model=self.model_source, engine=engine, chat_template=server.get("chat_template"),
+                          task=self.task_type)
 
     def pending_limit(self, engine: EngineConfig) -> int:
         """Requests one replica (of ``engine``) holds at once: ``max_pending_requests``,

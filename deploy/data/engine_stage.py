@@ -9,7 +9,10 @@ Columns out, as Ray Data LLM's vLLM stage writes them: ``prompt``,
 ``prompt_token_ids``, ``num_input_tokens``, ``generated_tokens``,
 ``generated_text``, ``num_generated_tokens``, ``logprobs`` / ``prompt_logprobs``
 (when asked), ``metrics``, ``embeddings`` (None), ``request_id``, ``batch_uuid``,
-``time_taken_llm``, ``params``, ``__inference_error__``; and ``finish_reason``.
+``time_taken_llm``, ``params``, ``__inference_error__``; and ``finish_reason``. A
+pooling model's rows (``task_type`` embed or classify) take ``pooling_params`` (vLLM's
+``PoolingParams`` fields) instead of ``sampling_params`` and come out with their vector
+in ``embeddings`` (a numpy array, as Ray's) and no generated tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.lora import LoRARequest
 from cluster.outputs import RequestOutput
-from deploy.data.config import EngineSpec
+from cluster.pooling import PoolingParams, PoolingRequestOutput
+from deploy.data.config import POOLING_TASK_TYPES, EngineSpec
 from deploy.data.rows import ERROR_COLUMN, batch_rows, drop_none, failed, rows_batch
 from sampler.params import RequestOutputKind, SamplingParams
 
@@ -51,6 +55,7 @@ class EngineStage:
         self.pending_limit = pending_limit
         self.should_continue_on_error = should_continue_on_error
         self.lora_path = dynamic_lora_loading_path
+        self.pooling_task = spec.task if spec.task in POOLING_TASK_TYPES else None
         self._slots: asyncio.Semaphore | None = None
         self._ids = itertools.count()
         self._adapters: dict[str, LoRARequest] = {}
@@ -69,17 +74,23 @@ class EngineStage:
         assert self._slots is not None
         rid = next(self._ids)
         try:
-            prompt, params, lora = self._request_inputs(row)
+            if self.pooling_task is not None:
+                prompt, params = self._prompt(row), self._pooling_params(row)
+                outputs = self.llm.encode(prompt, params, f"row-{rid}")
+            else:
+                prompt, params, lora = self._request_inputs(row)
+                outputs = self.llm.generate(prompt, params, f"row-{rid}", lora_request=lora)
             async with self._slots:
                 start = time.perf_counter()
-                final: RequestOutput | None = None
-                async for out in self.llm.generate(prompt, params, f"row-{rid}", lora_request=lora):
+                final: RequestOutput | PoolingRequestOutput | None = None
+                async for out in outputs:
                     final = out
                 taken = time.perf_counter() - start
             assert final is not None
             if final.error is not None:
                 raise RuntimeError(final.error)
-            return {**_carried(row), **_columns(final, row.get("prompt")), "request_id": rid, "batch_uuid": batch_id,
+            columns = _pooled_columns(final, row.get("prompt")) if self.pooling_task else _columns(final, row.get("prompt"))
+            return {**_carried(row), **columns, "request_id": rid, "batch_uuid": batch_id,
                     "time_taken_llm": taken, "params": repr(params), ERROR_COLUMN: ""}
         except EngineDeadError as exc:
             # The engine loop is gone: a retry on this actor would fail again. Exit, so
@@ -98,16 +109,27 @@ class EngineStage:
                     "prompt_logprobs": None, "request_id": -1, "batch_uuid": batch_id, "time_taken_llm": -1,
                     "params": "", ERROR_COLUMN: message}
 
-    def _request_inputs(self, row: dict[str, Any]) -> tuple[Any, SamplingParams, LoRARequest | None]:
+    @staticmethod
+    def _prompt(row: dict[str, Any]) -> Any:
         ids, text = row.get("tokenized_prompt"), row.get("prompt")
         if ids is not None:
-            prompt: Any = {"prompt_token_ids": ids} if not isinstance(text, str) else {"prompt_token_ids": ids,
-                                                                                      "prompt": text}
-        elif text is not None:
-            prompt = text
-        else:
-            raise ValueError("either 'prompt' or 'tokenized_prompt' must be given (or 'messages', with the chat "
-                             "template stage on)")
+            return {"prompt_token_ids": ids} if not isinstance(text, str) else {"prompt_token_ids": ids, "prompt": text}
+        if text is not None:
+            return text
+        raise ValueError("either 'prompt' or 'tokenized_prompt' must be given (or 'messages', with the chat "
+                         "template stage on)")
+
+    def _pooling_params(self, row: dict[str, Any]) -> PoolingParams:
+        given = row.get("pooling_params")
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"pooling_params: expected a dict, got {type(given).__name__}")
+        try:
+            return PoolingParams(**{**drop_none(given or {}), "task": self.pooling_task})
+        except TypeError as exc:
+            raise ValueError(f"pooling_params: {exc}") from None
+
+    def _request_inputs(self, row: dict[str, Any]) -> tuple[Any, SamplingParams, LoRARequest | None]:
+        prompt = self._prompt(row)
         given = row.get("sampling_params")
         if given is None:
             raise ValueError("sampling_params: required (a dict of vLLM's SamplingParams fields)")
@@ -162,6 +184,15 @@ def _columns(out: RequestOutput, text: Any) -> dict[str, Any]:
         "metrics": asdict(out.metrics) if out.metrics is not None else None,
         "logprobs": _logprobs(first.logprobs),
         "prompt_logprobs": _logprobs(out.prompt_logprobs),
+    }
+
+
+def _pooled_columns(out: PoolingRequestOutput, text: Any) -> dict[str, Any]:
+    return {
+        "prompt": out.prompt if out.prompt is not None else (text if isinstance(text, str) else ""),
+        "prompt_token_ids": list(out.prompt_token_ids), "num_input_tokens": len(out.prompt_token_ids),
+        "generated_tokens": [], "generated_text": "", "num_generated_tokens": 0, "finish_reason": None,
+        "embeddings": out.outputs.data.numpy(), "metrics": None, "logprobs": None, "prompt_logprobs": None,
     }
 
 

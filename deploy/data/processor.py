@@ -20,7 +20,7 @@ from typing import Any
 
 from cluster.config import EngineConfig
 from cluster.placement import rank_resources, resources_bundle
-from deploy.data.config import ProcessorConfig, pool_size, vLLMEngineProcessorConfig
+from deploy.data.config import POOLING_TASK_TYPES, ProcessorConfig, pool_size, vLLMEngineProcessorConfig
 from deploy.data.engine_stage import EngineStage
 from deploy.data.rows import ERROR_COLUMN
 from deploy.data.stages import ChatTemplateStage, TokenizeStage
@@ -203,15 +203,19 @@ def build_engine_processor(config: vLLMEngineProcessorConfig, *, preprocess: Row
     }
     if config.runtime_env is not None:
         engine_kwargs["runtime_env"] = config.runtime_env
+    pooling = spec.task in POOLING_TASK_TYPES
     stages.append(Stage(EngineStage, {
         "spec": spec, "pending_limit": config.pending_limit(engine),
         "should_continue_on_error": config.should_continue_on_error,
         "dynamic_lora_loading_path": config.dynamic_lora_loading_path,
-    }, engine_kwargs, {"sampling_params": "The sampling parameters (a dict of vLLM's SamplingParams fields)."}, {
+    }, engine_kwargs, {} if pooling else {
+        "sampling_params": "The sampling parameters (a dict of vLLM's SamplingParams fields)."}, {
         "prompt": "The text prompt (str). Required if tokenized_prompt is not provided.",
         "tokenized_prompt": "The tokenized prompt. Required if prompt is not provided.",
-        "model": "The model for this row: another name than the processor's is a LoRA adapter "
-                 "(dynamic_lora_loading_path/<model>).",
+        **({"pooling_params": "The pooling parameters (a dict of vLLM's PoolingParams fields); default ones "
+                              "if not given."} if pooling else {
+            "model": "The model for this row: another name than the processor's is a LoRA adapter "
+                     "(dynamic_lora_loading_path/<model>)."}),
     }))
     return Processor(config, stages, preprocess=preprocess, postprocess=postprocess,
                      preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
