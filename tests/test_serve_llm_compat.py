@@ -286,6 +286,18 @@ def test_lora_config_maps_onto_the_dynamic_folder_and_the_engine():
     assert plan.args.lora()["dynamic"] == {"m": "/loras"}
 
 
+def test_a_pooling_models_engine_kwargs_pass_through():
+    """A Ray Serve LLM config of an embedding model: ``runner`` and ``pooler_config``
+    (vLLM's names) reach the engine; the app then serves the pooling routes
+    (``tests/test_pooling_served.py`` serves them)."""
+    plan = LLMConfig(**llm(engine_kwargs={"runner": "pooling", "pooler_config": {"pooling_type": "MEAN"}})).plan()
+    assert plan.args.engine == {"runner": "pooling", "pooler_config": {"pooling_type": "MEAN"}}
+    for bad, named in (({"runner": "embed"}, "runner"), ({"pooler_config": {"pooling_type": "MAX"}}, "pooling_type"),
+                       ({"pooler_config": {"normalize": True}}, "normalize")):
+        with pytest.raises(ValueError, match=named):
+            LLMConfig(**llm(engine_kwargs=bad)).plan()
+
+
 def test_each_engine_kwarg_name_has_one_meaning():
     from cluster.config import EngineConfig
     from deploy.serve_llm import ALWAYS, LORA_KWARGS, PD_KWARGS, RENAMED, SERVER_FIELDS, VLLM_ONLY

@@ -53,7 +53,9 @@ def _refused(feature: str) -> Family:
 
 
 HYBRID = "a hybrid model with layers that are not attention"
-ENCODER = "an encoder (or encoder-decoder) model; raydecode serves decoder-only models"
+ENCODER = "an encoder (or encoder-decoder) model; raydecode generates with decoder-only models"
+#: the encoders raydecode serves as pooling models (``worker/pooling.py``)
+POOLING_ENCODER = ENCODER + " (it serves this one as a pooling model: embeddings, scores, classification)"
 MULTIMODAL = "a multimodal (or audio) model; raydecode serves text decoders"
 NO_INTERFACE = "attention that does not go through transformers' attention interface"
 UNVERIFIED = "not verified against transformers (the registry's sweep cannot build a tiny one of it)"
@@ -73,7 +75,7 @@ FAMILIES: dict[str, Family] = {
     "bamba": _refused(HYBRID + " (Mamba 2 layers)"),
     "bart": _refused(ENCODER),
     "beam": Family(GENERIC),
-    "bert": _refused(ENCODER),
+    "bert": _refused(POOLING_ENCODER),
     "bert-generation": _refused(ENCODER),
     "big_bird": _refused(ENCODER),
     "bigbird_pegasus": _refused(ENCODER),
@@ -233,7 +235,7 @@ FAMILIES: dict[str, Family] = {
     "recurrent_gemma": _refused(HYBRID + " (recurrent (RG-LRU) layers)"),
     "reformer": _refused(ENCODER),
     "rembert": _refused(ENCODER),
-    "roberta": _refused(ENCODER),
+    "roberta": _refused(POOLING_ENCODER),
     "roberta-prelayernorm": _refused(ENCODER),
     "roc_bert": _refused(ENCODER),
     "roformer": _refused(ENCODER),
@@ -250,7 +252,7 @@ FAMILIES: dict[str, Family] = {
     "whisper": _refused(ENCODER),
     "xglm": _refused(NO_INTERFACE),
     "xlm": _refused(ENCODER),
-    "xlm-roberta": _refused(ENCODER),
+    "xlm-roberta": _refused(POOLING_ENCODER),
     "xlm-roberta-xl": _refused(ENCODER),
     "xlnet": _refused(ENCODER),
     "xlstm": _refused(HYBRID + " (xLSTM recurrent layers)"),
