@@ -1,8 +1,11 @@
 """The tool call parsers beside vLLM's own: each whole answer parses as vLLM 0.32's parser
 class parses it (recorded by ``tests/bench/tool_parsers_vs_vllm.py`` from vLLM's classes,
-in ``tests/data/tool_parsers_vllm_cases.json``), and any cut of the text into deltas
-gives the same content and calls. Hermes and llama3_json have their own tests in
-``test_tools.py``."""
+in ``tests/data/tool_parsers_vllm_cases.json``; ``DIFFERENT`` lists where ours differs
+on purpose), and any cut of the text into deltas gives the same content and calls,
+streamed as vLLM streams them: a call's first delta carries its id and name (arguments
+``""``), later ones pieces of its arguments that add up to the whole answer's arguments
+exactly, on the recorded texts and on broken ones. Hermes and llama3_json have their
+own tests in ``test_tools.py``."""
 
 from __future__ import annotations
 
@@ -10,48 +13,169 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deploy.openai.tool_parser_names import TOOL_PARSERS
-from deploy.openai.trailing_call_parsers import MistralToolParser, parse_pythonic_calls
+from deploy.openai.trailing_call_parsers import MistralToolParser
 from deploy.openai.xml_call_parser import coerce, schema_types
+from hypothesis_budget import examples
 
 CASES = json.loads((Path(__file__).parent / "data" / "tool_parsers_vllm_cases.json").read_text())["cases"]
+#: texts whose whole answer differs from vLLM's on purpose: (content, calls) ours
+DIFFERENT = {
+    # a list cut off after a complete call keeps it: a stream has sent it by then
+    # (vLLM's stream sends it too; its whole answer makes all of it content)
+    '[get_weather(city="Paris")': (None, [["get_weather", {"city": "Paris"}]]),
+    # a call that goes wrong after its first argument was sent keeps it (vLLM's stream
+    # sends the broken text as its arguments; its whole answer makes all of it content)
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": }}</tool_call>':
+        (None, [["get_weather", {"city": "Paris"}]]),
+    # hermes drops the whitespace around calls
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>':
+        ("Let me check.", [["get_weather", {"city": "Paris"}]]),
+}
 
 
 def _calls(calls) -> list:
     return [[c.name, json.loads(c.arguments)] for c in calls]
 
 
-def streamed(name: str, pieces: list[str], schemas: dict) -> tuple[str, list]:
-    parser = TOOL_PARSERS[name](schemas=schemas)
+def streamed(name: str, pieces: list[str], schemas: dict, **kw) -> tuple[str, list]:
+    """Content and [name, arguments] per call, as a client reassembles the deltas; a
+    call's first delta names it (and only it does), with no arguments yet."""
+    parser = TOOL_PARSERS[name](schemas=schemas, **kw)
     content, calls = "", {}
     for piece in [*pieces, None]:
         more, deltas = parser.feed(piece) if piece is not None else parser.finish()
         content += more
         for d in deltas:
             if d.id is not None:
-                calls[d.index] = [d.name, d.arguments]
+                assert d.index == len(calls) and d.name and d.arguments == ""
+                calls[d.index] = [d.name, ""]
             else:
+                assert d.name is None and d.index in calls and d.arguments
                 calls[d.index][1] += d.arguments
-    return content, [[n, json.loads(a)] for _, (n, a) in sorted(calls.items())]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def cut(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['parser']}-{i}" for i, c in enumerate(CASES)])
 def test_whole_answers_parse_as_vllm_parses_them(case):
     content, calls = TOOL_PARSERS[case["parser"]](schemas=case["tools"]).parse(case["text"])
-    assert (content or None, _calls(calls)) == (case["content"], case["calls"])
+    expected = DIFFERENT.get(case["text"], (case["content"], case["calls"]))
+    assert (content or None, _calls(calls)) == tuple(expected)
 
 
 @given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=10))
 def test_any_cut_into_deltas_gives_the_whole_answer(case, cuts):
+    whole_content, whole_calls = TOOL_PARSERS[case["parser"]](schemas=case["tools"]).parse(case["text"])
+    content, calls = streamed(case["parser"], cut(case["text"], cuts), case["tools"])
+    assert (content, calls) == (whole_content, [[c.name, c.arguments] for c in whole_calls])
+
+
+#: what broken outputs are made of: the formats' markers and JSON's and Python's punctuation
+BREAKS = ['{', '}', '[', ']', '"', ',', ':', ' ', '\n', 'x', '1', '(', ')', '=', "'", ';', '\\', '"""',
+          '<tool_call>', '</tool_call>', '[TOOL_CALLS]', '[ARGS]', '<|call|>', '<|end|>', '<|start|>',
+          '<|channel|>', '<|message|>', '<parameter=a>', '</parameter>', '</function>', '<|python_end|>',
+          '<｜tool▁call▁begin｜>', '<｜tool▁call▁end｜>', '<|action_end|>']
+
+
+@st.composite
+def broken(draw) -> tuple[dict, str]:
+    """A recorded output cut short, or with pieces taken out or put in."""
+    case = draw(st.sampled_from(CASES))
     text = case["text"]
-    points = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
-    content, calls = streamed(case["parser"], pieces, case["tools"])
-    whole_content, whole_calls = TOOL_PARSERS[case["parser"]](schemas=case["tools"]).parse(text)
-    assert (content, calls) == (whole_content, _calls(whole_calls))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(text)))
+        edit = draw(st.sampled_from(["cut", "insert", "delete"]))
+        if edit == "cut":
+            text = text[:at]
+        elif edit == "insert":
+            text = text[:at] + draw(st.sampled_from(BREAKS)) + text[at:]
+        else:
+            text = text[:at] + text[at + draw(st.integers(1, 4)):]
+    return case, text
+
+
+@settings(max_examples=examples(400), deadline=None, database=None)
+@given(broken=broken(), cuts=st.lists(st.integers(0, 300), max_size=10), single=st.booleans())
+def test_broken_outputs_stream_as_their_whole_answer_and_every_call_is_an_object(broken, cuts, single):
+    """Wherever a broken output is cut, the stream is its whole answer (argument strings
+    exactly), streamed by the rules above, and every call's arguments are a JSON object
+    (a call that went wrong after it was sent closed with what it had)."""
+    case, text = broken
+    parser = TOOL_PARSERS[case["parser"]](schemas=case["tools"], single_call=single)
+    whole_content, whole_calls = parser.parse(text)
+    assert streamed(case["parser"], cut(text, cuts), case["tools"], single_call=single) == (
+        whole_content, [[c.name, c.arguments] for c in whole_calls])
+    assert streamed(case["parser"], list(text), case["tools"], single_call=single)[1] == [
+        [c.name, c.arguments] for c in whole_calls]
+    assert all(isinstance(json.loads(c.arguments), dict) for c in whole_calls)
+    assert len(whole_calls) <= 1 or not single
+    if not whole_calls and case["parser"] != "openai":  # (harmony's analysis is the reasoning's)
+        assert whole_content == text
+
+
+STREAMED = {  # one call with two arguments, in each format
+    "hermes": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+    "pythonic": '[get_weather(city="Paris", days=3)]',
+    "llama4_pythonic": '<|python_start|>[get_weather(city="Paris", days=3)]<|python_end|>',
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+    "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                   '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
+    "internlm": '<|action_start|><|plugin|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+                "<|action_end|>",
+    "openai": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", '
+              '"days": 3}<|call|>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(STREAMED))
+def test_auto_calls_stream_argument_by_argument(name):
+    """Fed token by token (here: character), a call is announced when its first
+    argument is complete, and each argument follows as it completes: the pieces are
+    the final arguments JSON's, in order."""
+    text, seen = STREAMED[name], []
+    parser = TOOL_PARSERS[name](schemas={"get_weather": {"properties": {"days": {"type": "integer"}}}})
+    for i, ch in enumerate(text):
+        seen += [(i, d.name, d.arguments) for d in parser.feed(ch)[1]]
+    seen += [(len(text), d.name, d.arguments) for d in parser.finish()[1]]
+    announced = text.index("Paris") + len("Paris")
+    assert [(n, a) for _, n, a in seen][:2] == [("get_weather", ""), (None, '{"city": "Paris"')]
+    assert announced <= seen[0][0] < announced + 3 if name != "qwen3_xml" else seen[0][0] < text.index("city")
+    assert "".join(a for _, _, a in seen) == '{"city": "Paris", "days": 3}'
+    assert seen[-1][0] < len(text) - 1 or name in ("mistral",)  # the object closes before the output ends
+
+
+@pytest.mark.parametrize("name, text, content, calls", [
+    # it goes wrong after it was sent: it closes with what it had, the rest of its text dropped
+    ("hermes", 'A <tool_call>{"name": "f", "arguments": {"a": 1, "b": tru}}</tool_call> B', "A B", [["f", '{"a": 1}']]),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1, "a": 2, "b": [}} tail', "", [["f", '{"a": 1}']]),
+    ("pythonic", "[f(a=1, b=x)] tail", "", [["f", '{"a": 1}']]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "x", oops[TOOL_CALLS]g[ARGS]{}', "", [["f", '{"a": "x"}'], ["g", "{}"]]),
+    # before it was sent: no call, its text content
+    ("hermes", 'A <tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>', 'A <tool_call>{"name": "f", '
+     '"arguments": {"a": tru}}</tool_call>', []),
+    ("pythonic", "[f(1)]", "[f(1)]", []),
+    ("granite", '<tool_call>[{"name": "f", "arguments": {"a" 1}}]', '<tool_call>[{"name": "f", "arguments": {"a" 1}}]',
+     []),
+    # cut by max_tokens: the calls so far, the one cut with its complete arguments
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1, "b": "long', "", [["f", '{"a": 1}']]),
+    ("qwen3_xml", "<tool_call><function=f><parameter=a>1</parameter><parameter=b>2", "", [["f", '{"a": "1"}']]),
+])
+def test_what_goes_wrong_after_a_call_was_sent_and_before(name, text, content, calls):
+    got_content, got_calls = TOOL_PARSERS[name]().parse(text)
+    assert (got_content, [[c.name, c.arguments] for c in got_calls]) == (content, calls)
+    assert streamed(name, list(text), {}) == (content, calls)
 
 
 def test_mistral_ids_are_what_its_templates_accept():
@@ -61,12 +185,23 @@ def test_mistral_ids_are_what_its_templates_accept():
 
 
 @pytest.mark.parametrize("text", [
-    "[f(a=1)", "[f(*args)]", "[f(**kw)]", "[f(a=b)]", "[f(a=1+2)]", "[lambda: 1]", "[f(a=b'x')]", "[]", "(f(a=1),)",
-    "[f(a=1)] trailing", "[" * 200 + "]" * 200,
+    "[f(*args)]", "[f(**kw)]", "[f(a=b)]", "[f(a=1+2)]", "[lambda: 1]", "[f(a=b'x')]", "[]", "(f(a=1),)",
+    "[" * 200 + "]" * 200, "[f(a=1 if x else 2)]", "[if(a=1)]", "[f(a=1.x)]",
 ])
 def test_pythonic_text_that_is_not_a_list_of_literal_calls_is_content(text):
-    assert parse_pythonic_calls(text) is None
     assert TOOL_PARSERS["pythonic"]().parse(text) == (text, [])
+
+
+def test_pythonic_calls_before_a_cut_or_text_after_the_list():
+    def parse(text):
+        return TOOL_PARSERS["pythonic"]().parse(text)
+
+    assert _calls(parse("[f(a=1)")[1]) == [["f", {"a": 1}]]
+    assert [parse("[f(a=1)]\nDone. ")[0], _calls(parse("[f(a=1)]\nDone. ")[1])] == ["Done.", [["f", {"a": 1}]]]
+    assert _calls(parse('[f(a="""x""", a=1)]')[1]) == [["f", {"a": "x"}]]  # the first stands: it was sent
+    content, calls = parse('[f(s="""a, b)""", t=\'x\\\'y\', n=[1, (2, 3)], d={"k": None}), g.h()]')
+    assert content == "" and _calls(calls) == [["f", {"s": "a, b)", "t": "x'y", "n": [1, [2, 3]], "d": {"k": None}}],
+                                                ["g.h", {}]]
 
 
 @pytest.mark.parametrize("text, types, value", [
@@ -155,3 +290,29 @@ def test_gpt_oss_reasoning_then_its_call_whole_and_streamed(size):
                 names += [call["function"]["name"]] if call["function"].get("name") else []
                 arguments += call["function"].get("arguments") or ""
     assert reasoning == "Need the weather." and names == ["get_weather"] and json.loads(arguments) == {"city": "Paris"}
+
+
+def test_a_chunk_sends_the_end_of_a_call_before_the_content_after_it():
+    """When one delta holds the last pieces of a call sent earlier and content after it,
+    the pieces come in a chunk of their own first (the Responses API, which makes the
+    content a new item, then has the call whole)."""
+    from cluster.outputs import CompletionOutput, RequestOutput
+    from deploy.openai.protocol import ChatCompletionRequest
+    from deploy.openai.serving_chat import ChatChunks
+    from deploy.openai.tools import ApiOptions
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "q"}], "stream": True,
+                                                 "tools": [{"type": "function", "function": {"name": "f"}}]})
+    body.sampling_params(ApiOptions(tool_call_parser="hermes", enable_auto_tool_choice=True))
+    chunks = ChatChunks("id", "m", body, lambda t, s: s or "")
+    deltas = []
+    for piece, done in [('<tool_call>{"name": "f", "arguments": {"a": 1, ', False), ('"b": 2}}</tool_call> Done.', True)]:
+        out = RequestOutput("r", None, [1], None, [CompletionOutput(0, piece, [5], None, None,
+                                                                    finish_reason="stop" if done else None)], done)
+        deltas += [c.model_dump(exclude_unset=True)["choices"][0]["delta"] for c in chunks.chunks(out)]
+    calls = [(d["tool_calls"][0].get("id") is not None, d["tool_calls"][0]["function"]) for d in deltas
+             if d.get("tool_calls")]
+    assert calls == [(True, {"name": "f", "arguments": '{"a": 1'}), (False, {"arguments": ', "b": 2}'})]
+    assert [i for i, d in enumerate(deltas) if d.get("tool_calls")][-1] < [
+        i for i, d in enumerate(deltas) if d.get("content")][-1]
+    assert "".join(d.get("content") or "" for d in deltas) == "Done."

@@ -90,9 +90,14 @@ HERMES_CASES = [
     ('Two calls.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
      '<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}</tool_call>\nDone.',
      "Two calls.\nDone.", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "F"})]),
+    # broken after its first argument: it was sent, so it stays a call with what it had
     ('Broken: <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call> then fine '
      '<tool_call>{"name": "add", "arguments": {}}</tool_call>',
-     'Broken: <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call> then fine', [("add", {})]),
+     'Broken: then fine', [("add", {"a": 1}), ("add", {})]),
+    # broken before it: no call, its text content
+    ('Broken: <tool_call>{"name": "add", "arguments": {"a": 1x}}</tool_call> then fine '
+     '<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+     'Broken: <tool_call>{"name": "add", "arguments": {"a": 1x}}</tool_call> then fine', [("add", {})]),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
     ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
      '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', []),  # arguments not an object

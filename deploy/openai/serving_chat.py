@@ -191,7 +191,10 @@ class ChatChunks:
             logprobs = chat_logprobs(c, body.top_logprobs or 0, self.text)
             delta, finish_reason = construct(ChoiceDelta, content=c.text), c.finish_reason
             if self.plan is not None or self.splits:
-                delta, finish_reason = self._parsed_delta(c)
+                lead, delta, finish_reason = self._parsed_delta(c)
+                if lead is not None:
+                    chunks.append(self._chunk(construct(ChunkChoice, index=c.index, delta=lead, logprobs=None,
+                                                        finish_reason=None), c.index))
                 if delta is None:
                     if c.finish_reason is None and logprobs is None and not body.return_token_ids:
                         continue  # nothing to send yet (text held back by the parser)
@@ -206,9 +209,13 @@ class ChatChunks:
             chunks.append(self._chunk(construct(ChunkChoice, **fields), c.index))
         return chunks
 
-    def _parsed_delta(self, c: CompletionOutput) -> tuple[ChoiceDelta | None, str | None]:
+    def _parsed_delta(self, c: CompletionOutput) -> tuple[ChoiceDelta | None, ChoiceDelta | None, str | None]:
         """A choice's delta through its reasoning split and its tool call parser (None:
-        nothing to send), and its finish reason."""
+        nothing to send), and its finish reason; first, when there is content too, the
+        last pieces of a call announced in an earlier chunk, in a delta of their own
+        (they precede that content in the text: a client that turns content into a new
+        item, as the Responses API does, has them before the call's item closes)."""
+        lead = None
         finish_reason, reasoning, answer = c.finish_reason, "", c.text
         if self.splits:
             split = self.splits[c.index]
@@ -229,11 +236,16 @@ class ChatChunks:
                 more, last = parser.finish()
                 content, deltas = content + more, deltas + last
                 finish_reason = self.plan.finish_reason(finish_reason, bool(parser.calls))
+            new = {d.index for d in deltas if d.id is not None}
+            earlier = [d for d in deltas if d.index not in new]
+            if content and earlier:
+                lead, deltas = construct(ChoiceDelta, tool_calls=_delta_tool_calls(earlier)), [
+                    d for d in deltas if d.index in new]
             if deltas:
                 fields["tool_calls"] = _delta_tool_calls(deltas)
         if content:
             fields["content"] = content
-        return (construct(ChoiceDelta, **fields) if fields else None), finish_reason
+        return lead, (construct(ChoiceDelta, **fields) if fields else None), finish_reason
 
     def total_usage(self) -> CompletionUsage:
         done = sum(self.tokens.values())

@@ -15,11 +15,14 @@ wherever the text was split.
   end of the output are in ``trailing_call_parsers``; every name in
   ``tool_parser_names``.
 
-Named and required calls stream as vLLM streams them: the first delta of a call
-carries its id, type and name (and any arguments so far), later ones argument text as
-it is generated; the grammar guarantees the text is valid. A parsed ("auto") call is
-sent whole once it is closed, never half: until then it may still turn out malformed,
-and then its text is content.
+Every call streams as vLLM streams it: the first delta of a call carries its id, type
+and name, later ones pieces of its arguments' text. Named and required calls send the
+arguments as generated (the grammar guarantees them). A parsed ("auto") call is sent
+once it is ready (``call_stream``: its name known and its first argument complete),
+then its arguments by whole top-level pairs of the final, normalised arguments JSON,
+so what was sent never changes: before it is ready, text that goes wrong leaves the
+call's text content; after, the call closes with the arguments it had and the rest of
+its text is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from deploy.openai.call_stream import JsonCall, JsonCalls, StreamedCall, Stripped
 
 
 def new_tool_call_id() -> str:
@@ -77,6 +82,7 @@ class ToolCallParser:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     finished: bool = False
+    _announced: int = 0  # calls announced (the next call's index)
 
     name: ClassVar[str] = "plain"
     #: its markers may be special tokens, which the text shows only with
@@ -88,6 +94,24 @@ class ToolCallParser:
 
     def finish(self) -> Emitted:
         raise NotImplementedError
+
+    @staticmethod
+    def _call_id() -> str:
+        return new_tool_call_id()
+
+    def _pieces(self, call: StreamedCall) -> list[ToolCallDelta]:
+        """What of ``call`` can be sent now: once it is ready its id, type and name,
+        then its arguments text as it grows."""
+        if not call.ready:
+            return []
+        out = []
+        if call.index is None:
+            call.index, self._announced = self._announced, self._announced + 1
+            out.append(ToolCallDelta(call.index, "", self._call_id(), call.name))
+        if len(call.arguments) > call.sent:
+            out.append(ToolCallDelta(call.index, call.arguments[call.sent:]))
+            call.sent = len(call.arguments)
+        return out
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole output: its content and its calls."""
@@ -286,13 +310,14 @@ class RequiredCallsParser(ToolCallParser):
 class HermesToolParser(ToolCallParser):
     """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
     any number of them, with text around. Text streams as content until a start tag
-    could begin (a partial ``<tool_call`` is held back); a call is parsed when its end
-    tag arrives (or the output ends): a JSON object with a string ``name`` and an
-    object ``arguments`` (or ``parameters``) becomes a call, anything else stays
-    content, tags included. The whitespace around calls is dropped, except that
-    content resuming after calls is separated from the content before them by the
-    whitespace that preceded the first of those calls; an output without calls keeps
-    its text exactly."""
+    could begin (a partial ``<tool_call`` is held back); the text between the tags is
+    read as it comes (``_new_body``: a ``JsonCall``, a string ``name`` and an object
+    ``arguments``, or ``parameters``, or a JSON string holding one), and the call
+    streams once it is ready. One that is not ready by its end tag (or the output's
+    end) stays content, tags included. The whitespace around calls is dropped, except
+    that content resuming after calls is separated from the content before them by
+    the whitespace that preceded the first of those calls; an output without calls
+    keeps its text exactly."""
 
     name: ClassVar[str] = "hermes"
     KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True  # some models' <tool_call> is one
@@ -302,6 +327,8 @@ class HermesToolParser(ToolCallParser):
     _buf: str = ""
     _in_call: bool = False
     _searched: int = 0  # in a call: how much of the buffer is known to hold no end tag
+    _body: Any = None  # the call being read
+    _fed: int = 0  # how much of the buffer (the call's text) its body was fed
     _pending_ws: str = ""  # trailing whitespace of the content, held back
     _after_call: bool = False  # content right after a call drops its leading whitespace
     _ws_before_call: str = ""
@@ -321,22 +348,32 @@ class HermesToolParser(ToolCallParser):
         self._had_content = self._had_content or bool(body)
         return body
 
-    def _parse_body(self, body: str) -> tuple[str, str] | None:
-        """(name, arguments JSON) of what stood between the tags, or None."""
-        return parse_call_object(body.strip(), ("arguments", "parameters"))
+    def _new_body(self) -> Any:
+        """What reads a call's text: ``feed``, ``close``, and its ``call``."""
+        return JsonCall(("arguments", "parameters"))
 
-    def _call(self, body: str, closed: bool) -> tuple[str, list[ToolCallDelta]]:
-        """A call's deltas, or (its raw text as content, []) when it is malformed."""
-        parsed = self._parse_body(body)
-        if parsed is None:
-            self._pending_ws = self._ws_before_call
-            raw = self.START + body + (self.END if closed else "")
-            return self._content(raw), []
-        if not self._after_call:
-            self._separator = self._ws_before_call if self._had_content else ""
-        self._after_call = True
-        index = len(self.calls)
-        return "", [ToolCallDelta(index, parsed[1], new_tool_call_id(), parsed[0])]
+    def _body_pieces(self, limit: int) -> list[ToolCallDelta]:
+        """Feeds the call's text up to ``limit`` to its body; what of it can be sent."""
+        if limit > self._fed:
+            self._body.feed(self._buf[self._fed:limit])
+            self._fed = limit
+        call = self._body.call
+        if call.ready and call.index is None:
+            if not self._after_call:
+                self._separator = self._ws_before_call if self._had_content else ""
+            self._after_call = True
+        return self._pieces(call)
+
+    def _end_call(self, end: int, closed: bool) -> Emitted:
+        """The call's text ended at ``end``: its last pieces, or its text as content."""
+        pieces = self._body_pieces(end)
+        self._body.close()
+        pieces += self._body_pieces(end)
+        self._in_call = False
+        if self._body.call.ready:
+            return "", pieces
+        self._pending_ws = self._ws_before_call
+        return self._content(self.START + self._buf[:end] + (self.END if closed else "")), []
 
     def feed(self, text: str) -> Emitted:
         self._buf += text
@@ -352,27 +389,22 @@ class HermesToolParser(ToolCallParser):
                 content += self._content(self._buf[:start])
                 self._ws_before_call, self._pending_ws = self._pending_ws, ""
                 self._buf = self._buf[start + len(self.START):]
-                self._in_call, self._searched = True, 0
+                self._in_call, self._searched, self._body, self._fed = True, 0, self._new_body(), 0
             else:
                 end = self._buf.find(self.END, self._searched)
                 if end < 0:
                     self._searched = max(0, len(self._buf) - len(self.END) + 1)
+                    deltas += self._body_pieces(len(self._buf) - marker_overlap(self._buf, self.END))
                     break
-                body, self._buf = self._buf[:end], self._buf[end + len(self.END):]
-                self._in_call = False
-                more, new = self._call(body, closed=True)
-                content, deltas = content + more, deltas + self._renumber(new, deltas)
+                more, new = self._end_call(end, closed=True)
+                self._buf = self._buf[end + len(self.END):]
+                content, deltas = content + more, deltas + new
         return self._emit(content, deltas)
-
-    def _renumber(self, new: list[ToolCallDelta], before: list[ToolCallDelta]) -> list[ToolCallDelta]:
-        for d in new:  # calls announced earlier in this same feed are not in self.calls yet
-            d.index += sum(1 for b in before if b.id is not None)
-        return new
 
     def finish(self) -> Emitted:
         self.finished = True
         if self._in_call:
-            content, deltas = self._call(self._buf, closed=False)
+            content, deltas = self._end_call(len(self._buf), closed=False)
         else:
             content, deltas = self._content(self._buf), []
         self._buf = ""
@@ -383,32 +415,88 @@ class HermesToolParser(ToolCallParser):
 
 
 @dataclass
-class DecidedByStart(ToolCallParser):
-    """A format whose output is calls or not by how it starts: held while the start
-    cannot tell, then streamed as content, or (calls) held whole until ``finish``
-    parses it."""
+class RegionParser(ToolCallParser):
+    """A format whose calls take the rest of the output from where they begin: text
+    streams as content until ``_region_at`` finds the calls' region; its text then goes
+    to a scanner (``_new_region``: ``feed``, ``close``, the ``calls`` ready so far,
+    ``failed``, ``rest``) whose calls stream as they become ready, and the text after
+    them (``rest``) as content, without the whitespace around it. A region whose first
+    call is no call is content, all of it (held until then)."""
 
     _buf: str = ""
-    _mode: str = "deciding"  # then "content" or "calls"
+    _mode: str = "content"  # then "region"; "content only" once the output holds no calls
+    _region: Any = None
+    _held: str | None = None  # the region's text while it may yet be content
+    _rest: Stripped = field(default_factory=Stripped)
+
+    def _region_at(self, text: str) -> tuple[int, int | None]:
+        """(how much of the text held so far is content for sure, where the calls'
+        region begins past its marker, or None while it has not)."""
+        raise NotImplementedError
+
+    def _new_region(self) -> Any:
+        raise NotImplementedError
+
+    def _step(self, text: str, final: bool = False) -> Emitted:
+        region = self._region
+        region.feed(text)
+        if final:
+            region.close()
+        if self._held is not None:
+            self._held += text
+        if region.failed:
+            self._mode, held, self._held = "content only", self._held or "", None
+            return held, []
+        if region.calls:
+            self._held = None
+        deltas = [d for call in region.calls for d in self._pieces(call)]
+        return ("" if region.rest is None else self._rest.take(region.rest)), deltas
+
+    def feed(self, text: str) -> Emitted:
+        if self._mode == "region":
+            return self._emit(*self._step(text))
+        if self._mode == "content only":
+            return self._emit(text, [])
+        self._buf += text
+        at, body = self._region_at(self._buf)
+        content = self._buf[:at]
+        if body is None:
+            self._buf = self._buf[at:]
+            return self._emit(content, [])
+        self._mode, self._region = "region", self._new_region()
+        self._held, rest, self._buf = self._buf[at:body], self._buf[body:], ""
+        more, deltas = self._step(rest)
+        return self._emit(content + more, deltas)
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        if self._mode == "region":
+            return self._emit(*self._step("", final=True))
+        text, self._buf = self._buf, ""
+        return self._emit(text, [])
+
+
+@dataclass
+class DecidedByStart(RegionParser):
+    """A format whose output is calls or not by how it starts (``_opens``): held while
+    the start cannot tell, then content, or all of it the calls' region (from
+    ``_body_start``, past any tag)."""
 
     def _opens(self, start: str) -> bool | None:
         """Whether an output beginning ``start`` holds calls (None: too short to tell)."""
         raise NotImplementedError
 
-    def feed(self, text: str) -> Emitted:
-        if self._mode == "content":
-            return self._emit(text, [])
-        self._buf += text
-        if self._mode == "deciding":
-            opens = self._opens(self._buf)
-            if opens is None:
-                return self._emit("", [])
-            if opens:
-                self._mode = "calls"
-                return self._emit("", [])
-            self._mode, out, self._buf = "content", self._buf, ""
-            return self._emit(out, [])
-        return self._emit("", [])
+    def _body_start(self, text: str) -> int:
+        return 0
+
+    def _region_at(self, text: str) -> tuple[int, int | None]:
+        opens = self._opens(text)
+        if opens is None:
+            return 0, None
+        if not opens:
+            self._mode = "content only"
+            return len(text), None
+        return 0, self._body_start(text)
 
 
 @dataclass
@@ -416,9 +504,9 @@ class Llama3JsonToolParser(DecidedByStart):
     """Llama 3.1 / 3.2 / 3.3 JSON tool calls: the output is
     ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally after
     ``<|python_tag|>``, several separated by ``;``. An output that starts otherwise is
-    content and streams as such; one that starts like a call is held until it ends
-    and then parsed: leading objects that are calls become calls, text after them
-    content; if the first is not a call, all of it is content."""
+    content and streams as such; one that starts like a call streams its calls
+    (``JsonCalls``), and the text after them is content; if the first is no call, all
+    of it is content."""
 
     name: ClassVar[str] = "llama3_json"
     TAG: ClassVar[str] = "<|python_tag|>"
@@ -429,57 +517,9 @@ class Llama3JsonToolParser(DecidedByStart):
             return None
         return head.startswith(self.TAG) or head.startswith("{")
 
-    def finish(self) -> Emitted:
-        self.finished = True
-        text, self._buf = self._buf, ""
-        if self._mode != "calls":
-            return self._emit(text, [])
-        body = text.lstrip()
-        if body.startswith(self.TAG):
-            body = body[len(self.TAG):]
-        decoder, pos, deltas = json.JSONDecoder(), 0, []
-        while True:
-            while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
-                pos += 1
-            if pos >= len(body):
-                break
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except (ValueError, RecursionError):
-                break
-            parsed = parse_call_object(obj, ("parameters", "arguments"))
-            if parsed is None:
-                break
-            deltas.append(ToolCallDelta(len(deltas), parsed[1], new_tool_call_id(), parsed[0]))
-            pos = end
-        if not deltas:
-            return self._emit(text, [])
-        return self._emit(body[pos:].strip(), deltas)
+    def _body_start(self, text: str) -> int:
+        head = len(text) - len(text.lstrip())
+        return head + len(self.TAG) if text.startswith(self.TAG, head) else head
 
-
-def parse_call_object(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of a call object (or its JSON text), or None
-    when it is not one: a string ``name`` and an object under one of
-    ``argument_keys`` (a JSON string holding an object is taken as it is)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    key = next((k for k in argument_keys if k in value), None)
-    arguments = {} if key is None else value[key]
-    if isinstance(arguments, str):
-        try:
-            if isinstance(json.loads(arguments), dict):
-                return value["name"], arguments
-        except (ValueError, RecursionError):
-            pass
-        return None
-    if not isinstance(arguments, dict):
-        return None
-    try:
-        return value["name"], json.dumps(arguments, ensure_ascii=False)
-    except (ValueError, RecursionError):
-        return None
+    def _new_region(self) -> JsonCalls:
+        return JsonCalls("sequence", ("parameters", "arguments"))

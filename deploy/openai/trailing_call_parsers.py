@@ -1,30 +1,30 @@
-"""Tool call formats whose calls run to the end of the output, so a stream holds them
-until it ends: ``PythonicToolParser`` (``pythonic``: Llama 3.2 / ToolACE's Python list of
-calls; ``llama4_pythonic``: the same between Llama 4's python tags) and
-``MistralToolParser`` (``mistral``: ``[TOOL_CALLS]`` and a JSON array, or
-``name[ARGS]{...}`` per call from tokenizer v11), ``DeepSeekV3ToolParser``
-(``deepseek_v3``), ``GraniteToolParser`` (``granite``), ``InternLMToolParser``
-(``internlm``) and ``HarmonyToolParser`` (``openai``: gpt-oss). Text before them streams as content.
+"""Tool call formats whose calls run to the end of the output: ``PythonicToolParser``
+(``pythonic``: Llama 3.2 / ToolACE's Python list of calls; ``llama4_pythonic``: the same
+between Llama 4's python tags), ``MistralToolParser`` (``mistral``: ``[TOOL_CALLS]`` and
+a JSON array, or ``name[ARGS]{...}`` per call from tokenizer v11),
+``DeepSeekV3ToolParser`` (``deepseek_v3``), ``GraniteToolParser`` (``granite``),
+``InternLMToolParser`` (``internlm``) and ``HarmonyToolParser`` (``openai``: gpt-oss).
+Text before the calls streams as content; each call streams once it is ready, by whole
+arguments (``call_stream``); calls that turn out to be none leave their text content.
 """
 
 from __future__ import annotations
 
 import ast
-import json
+import keyword
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cluster.reasoning_parsers import HarmonySplit
+from deploy.openai.call_stream import JsonCall, JsonCalls, StreamedCall
 from deploy.openai.tool_parsers import (
     DecidedByStart,
     Emitted,
-    ToolCallDelta,
+    RegionParser,
     ToolCallParser,
     marker_overlap,
-    new_tool_call_id,
-    parse_call_object,
 )
 
 
@@ -53,45 +53,140 @@ def _literal(node: ast.expr) -> Any:
     raise _NotLiteral(type(node).__name__)
 
 
-def _dotted(func: ast.expr) -> str | None:
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        inner = _dotted(func.value)
-        return None if inner is None else f"{inner}.{func.attr}"
-    return None
+def _is_name(text: str) -> bool:
+    return all(part.isidentifier() and not keyword.iskeyword(part) for part in text.split("."))
 
 
-def parse_pythonic_calls(text: str) -> list[tuple[str, str]] | None:
-    """``[f(a=1), g.h(b="x")]`` as (name, arguments JSON) pairs; None unless the whole
-    text is one such list (keyword arguments with JSON values only, as vLLM's pattern)."""
-    try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    if not isinstance(tree.body, ast.List) or not tree.body.elts:
-        return None
-    calls = []
-    for call in tree.body.elts:
-        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
-            return None
-        name = _dotted(call.func)
-        if name is None:
-            return None
+class PythonicCalls:
+    """A Python list of keyword-argument calls as it arrives,
+    ``[get_weather(city="Paris"), f(x=1)]`` (dotted names; values JSON literals, as
+    ``_literal`` reads them), each call ready once its first argument is complete (or it
+    closed); ``rest``: the text after the list. ``drop``: a marker removed wherever it is
+    (Llama 4's end tag)."""
+
+    def __init__(self, drop: str = "") -> None:
+        self.calls: list[StreamedCall] = []
+        self.failed = False
+        self.rest: str | None = None
+        self._drop, self._raw = drop, ""
+        self._text, self._pos, self._state, self._mark, self._key = "", 0, "list", 0, ""
+        self._call: StreamedCall | None = None
+        self._depth, self._quote, self._escaped, self._dropped = 0, "", False, False
+
+    def _take(self) -> None:
+        if self._call is not None and self._call.ready and (not self.calls or self.calls[-1] is not self._call):
+            self.calls.append(self._call)
+
+    def _fail(self) -> None:
+        """The text went wrong (or ended): a ready call closes, and what follows is
+        dropped; with none ready, the text is no calls."""
+        if self._call is not None and self._call.ready:
+            self._call.close()
+            self._take()
+        self.failed, self._dropped = not self.calls, True
+
+    def _value_done(self, end: int) -> None:
         try:
-            arguments = {k.arg: _literal(k.value) for k in call.keywords}
-            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
-        except (_NotLiteral, ValueError, RecursionError):
-            return None
-    return calls
+            value = _literal(ast.parse(self._text[self._mark:end].strip(), mode="eval").body)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return self._fail()
+        if not self._call.add(self._key, value):
+            return self._fail()
+        self._state = "after value"
+
+    def _scan(self, final: bool = False) -> None:
+        text, i = self._text, self._pos
+        while i < len(text) and not (self._dropped or self.rest is not None):
+            ch, state = text[i], self._state
+            if state == "value":
+                if self._quote:
+                    if self._escaped:
+                        self._escaped = False
+                    elif ch == "\\":
+                        self._escaped = True
+                    elif text.startswith(self._quote, i):
+                        i, self._quote = i + len(self._quote), ""
+                        continue
+                    elif len(self._quote) == 3 and self._quote.startswith(text[i:]) and not final:
+                        break  # the end of a triple quote, perhaps
+                elif ch in "'\"":
+                    if not final and len(text) - i < 3 and text[i:] == ch * (len(text) - i):
+                        break  # a triple quote, perhaps
+                    self._quote = ch * 3 if text.startswith(ch * 3, i) else ch
+                    i += len(self._quote)
+                    continue
+                elif ch in "([{":
+                    self._depth += 1
+                elif ch in ")]}" and self._depth:
+                    self._depth -= 1
+                elif ch in ",)" and not self._depth:
+                    self._value_done(i)
+                    continue  # the delimiter is read again after the value
+                elif ch in "]}" and not self._depth:
+                    self._fail()
+                i += 1
+                continue
+            if state in ("name", "keyword") and (ch == "_" or ch == "." and state == "name" or ch.isalnum()):
+                i += 1
+                continue
+            if state in ("name", "keyword"):
+                word = text[self._mark:i]
+                if not _is_name(word):
+                    self._fail()
+                elif state == "name":
+                    self._call, self._state = StreamedCall(word), "paren"
+                else:
+                    self._key, self._state = word, "equals"
+                continue
+            if ch.isspace():
+                pass
+            elif state == "list" and ch == "[" or state == "after call" and ch == ",":
+                self._state = "item"
+            elif state in ("item", "after call") and ch == "]" and (self.calls or state == "after call"):
+                self.rest = text[i + 1:]
+            elif state in ("item", "keywords") and (ch == "_" or ch.isalpha()):
+                self._mark, self._state = i, "name" if state == "item" else "keyword"
+            elif state == "paren" and ch == "(":
+                self._state = "keywords"
+            elif state == "equals" and ch == "=":
+                self._mark, self._depth, self._state = i + 1, 0, "value"
+            elif state == "after value" and ch == ",":
+                self._state = "keywords"
+            elif state in ("keywords", "after value") and ch == ")":
+                self._call.close()
+                self._state = "after call"
+            else:
+                self._fail()
+            self._take()
+            i += 1
+        self._pos = i
+
+    def feed(self, more: str) -> None:
+        if self._drop:
+            raw = (self._raw + more).replace(self._drop, "")
+            keep = marker_overlap(raw, self._drop)
+            more, self._raw = raw[:len(raw) - keep], raw[len(raw) - keep:]
+        if self.rest is not None:
+            self.rest += more
+            return
+        self._text += more
+        self._scan()
+
+    def close(self) -> None:
+        more, self._raw = self._raw, ""
+        self.feed(more)
+        self._scan(final=True)
+        if self.rest is None and not self._dropped:
+            self._fail()  # the list was cut: the calls so far stand
 
 
 @dataclass
 class PythonicToolParser(DecidedByStart):
-    """Llama 3.2 / Llama 4 / ToolACE pythonic calls: the whole output is a Python list
-    of keyword-argument calls, ``[get_weather(city="Paris"), f(x=1)]``. An output that
-    starts with ``[`` is held until it ends and then parsed (arguments as JSON); one
-    that is not such a list, or starts otherwise, is content."""
+    """Llama 3.2 / Llama 4 / ToolACE pythonic calls: the output is a Python list of
+    keyword-argument calls, ``[get_weather(city="Paris"), f(x=1)]``, and any text after
+    the list is content. An output that starts with ``[`` streams its calls
+    (``PythonicCalls``: arguments as JSON); one whose first call is none, or that starts
+    otherwise, is content."""
 
     name: ClassVar[str] = "pythonic"
     #: Llama 4 wraps the list in these (``llama4_pythonic``)
@@ -103,66 +198,143 @@ class PythonicToolParser(DecidedByStart):
             return None
         return any(start.startswith(s) for s in starts)
 
-    def finish(self) -> Emitted:
-        self.finished = True
-        text, self._buf = self._buf, ""
-        if self._mode != "calls":
-            return self._emit(text, [])
-        body = text
-        if self.WRAP is not None and body.startswith(self.WRAP[0]):
-            body = body[len(self.WRAP[0]):].replace(self.WRAP[1], "")
-        calls = parse_pythonic_calls(body)
-        if calls is None:
-            return self._emit(text, [])
-        return self._emit("", [ToolCallDelta(i, arguments, new_tool_call_id(), name)
-                               for i, (name, arguments) in enumerate(calls)])
+    def _body_start(self, text: str) -> int:
+        return len(self.WRAP[0]) if self.WRAP is not None and text.startswith(self.WRAP[0]) else 0
+
+    def _new_region(self) -> PythonicCalls:
+        return PythonicCalls(self.WRAP[1] if self.WRAP is not None else "")
 
 
 @dataclass
-class _HeldAfterMarker(ToolCallParser):
+class Llama4PythonicToolParser(PythonicToolParser):
+    """``pythonic``, the list optionally between ``<|python_start|>`` and ``<|python_end|>``."""
+
+    name: ClassVar[str] = "llama4_pythonic"
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+    WRAP: ClassVar[tuple[str, str] | None] = ("<|python_start|>", "<|python_end|>")
+
+
+@dataclass
+class _HeldAfterMarker(RegionParser):
     """Text streams as content until one of ``MARKS`` could begin; from the marker on,
-    the output is held until it ends and then parsed by ``_parse`` (None: all of it
-    stays content)."""
+    the output is the calls' region (``_new_region``)."""
 
     MARKS: ClassVar[tuple[str, ...]] = ()
     KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
-    #: the held text's parsed content stands even when it holds no call (harmony's
-    #: markers frame every message, not only calls)
-    FRAMES_CONTENT: ClassVar[bool] = False
 
-    _buf: str = ""
-    _held: bool = False
-
-    def feed(self, text: str) -> Emitted:
-        self._buf += text
-        if self._held:
-            return self._emit("", [])
-        found = [(at, mark) for mark in self.MARKS if (at := self._buf.find(mark)) >= 0]
+    def _region_at(self, text: str) -> tuple[int, int | None]:
+        found = [(at, mark) for mark in self.MARKS if (at := text.find(mark)) >= 0]
         if found:
-            at = min(found)[0]
-            out, self._buf, self._held = self._buf[:at], self._buf[at:], True
-            return self._emit(out, [])
-        keep = max(marker_overlap(self._buf, mark) for mark in self.MARKS)
-        out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-        return self._emit(out, [])
+            at, mark = min(found)
+            return at, at + len(mark)
+        return len(text) - max(marker_overlap(text, mark) for mark in self.MARKS), None
 
-    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
-        """(content after the calls, [(name, arguments JSON)]) of the held text."""
+
+class _Segments:
+    """Calls one per segment: a head that names the call (``_head``), then its
+    arguments object; what follows the object, up to the next ``SEGMENT``, is ignored.
+    A segment that is no call ends the calls when none came before it (``failed``: the
+    text is content), else only itself."""
+
+    SEGMENT: ClassVar[str] = ""
+
+    def __init__(self, in_segment: bool) -> None:
+        self.calls: list[StreamedCall] = []
+        self.failed = False
+        self.rest = None
+        self._text, self._pos, self._state = "", 0, "head" if in_segment else "seek"
+        self._current: JsonCall | None = None
+
+    def _head(self, text: str, pos: int) -> tuple[str, int] | None:
+        """(the call's name, where its arguments begin) of the head at ``pos``; None
+        while it may still come, an empty name (and where to look on) when it is none."""
         raise NotImplementedError
 
-    @staticmethod
-    def _call_id() -> str:
-        return new_tool_call_id()
+    def _take(self, current: JsonCall) -> None:
+        if current.call.ready and (not self.calls or self.calls[-1] is not current.call):
+            self.calls.append(current.call)
 
-    def finish(self) -> Emitted:
-        self.finished = True
-        text, self._buf = self._buf, ""
-        parsed = self._parse(text) if self._held else None
-        if parsed is None or not (parsed[1] or self.FRAMES_CONTENT):
-            return self._emit(text, [])
-        after, calls = parsed
-        return self._emit(after, [ToolCallDelta(i, arguments, self._call_id(), name)
-                                  for i, (name, arguments) in enumerate(calls)])
+    def _miss(self, pos: int) -> None:
+        self.failed = not self.calls
+        self._pos, self._state = pos, "seek"
+
+    def feed(self, more: str) -> None:
+        self._text += more
+        while not self.failed:
+            if self._state == "seek":
+                at = self._text.find(self.SEGMENT, self._pos)
+                if at < 0:
+                    self._pos = max(self._pos, len(self._text) - len(self.SEGMENT) + 1)
+                    return
+                self._pos, self._state = at + len(self.SEGMENT), "head"
+            elif self._state == "head":
+                head = self._head(self._text, self._pos)
+                if head is None:
+                    return
+                if not head[0]:
+                    self._miss(head[1])
+                    continue
+                self._current, self._pos, self._state = JsonCall(name=head[0]), head[1], "arguments"
+                self._current.feed(self._text[self._pos:])
+            else:
+                current = self._current
+                if len(current.scan.text) < len(self._text) - self._pos:
+                    current.feed(self._text[self._pos + len(current.scan.text):])
+                self._take(current)
+                if current.failed:
+                    self._miss(self._pos + current.scan.pos)
+                elif current.scan.end is not None or current.wrong:
+                    self._pos, self._state = self._pos + (current.scan.end or current.scan.pos), "seek"
+                else:
+                    return
+
+    def close(self) -> None:
+        if self._state == "arguments" and not self.failed:
+            self._current.close()
+            self._take(self._current)
+        self.failed = not self.calls
+
+
+KEYS = ("arguments", "parameters")
+
+
+class _MistralSegments(_Segments):
+    SEGMENT: ClassVar[str] = "[TOOL_CALLS]"
+    ARGS: ClassVar[str] = "[ARGS]"
+
+    def _head(self, text: str, pos: int) -> tuple[str, int] | None:
+        args, brace, segment = text.find(self.ARGS, pos), text.find("{", pos), text.find(self.SEGMENT, pos)
+        ends = [(at, at + len(self.ARGS)) for at in (args,) if at >= 0] + [(at, at) for at in (brace,) if at >= 0]
+        if not ends:
+            return None if segment < 0 else ("", segment)
+        cut, start = min(ends)
+        return ("", segment) if 0 <= segment < cut else (text[pos:cut].strip(), start)
+
+
+class _MistralCalls:
+    """After the first ``[TOOL_CALLS]``: a JSON array of call objects, or segments."""
+
+    def __init__(self) -> None:
+        self._text, self._inner = "", None
+
+    calls = property(lambda self: self._inner.calls if self._inner is not None else [])
+    failed = property(lambda self: self._inner is not None and self._inner.failed)
+    rest = None  # text after the array is ignored
+
+    def feed(self, more: str) -> None:
+        if self._inner is None:
+            self._text += more
+            head = self._text.lstrip()
+            if not head:
+                return
+            self._inner = JsonCalls("array", KEYS) if head[0] == "[" else _MistralSegments(in_segment=True)
+            more = self._text
+        self._inner.feed(more)
+
+    def close(self) -> None:
+        if self._inner is None:
+            self._inner = _MistralSegments(in_segment=True)
+        self._inner.close()
 
 
 def mistral_tool_call_id() -> str:
@@ -175,70 +347,42 @@ def mistral_tool_call_id() -> str:
 class MistralToolParser(_HeldAfterMarker):
     """Mistral: text, then ``[TOOL_CALLS]`` and the calls: a JSON array of
     ``{"name", "arguments"}`` (tokenizers before v11: Mistral 7B v0.3, Nemo), or
-    ``name[ARGS]{...}`` (v11+: Small 3, Magistral), one ``[TOOL_CALLS]`` per call.
-    Text streams as content until the marker could begin; the calls are held until the
-    output ends, then parsed. Calls that do not parse leave the whole text as content
-    (vLLM keeps only what followed the marker). Ids are Mistral's nine characters."""
+    ``name[ARGS]{...}`` (v11+: Small 3, Magistral; the name runs to ``[ARGS]`` or the
+    first ``{``), one ``[TOOL_CALLS]`` per call. Text streams as content until the
+    marker could begin (only whitespace before it is held: it is dropped when calls
+    follow); a first call that does not parse leaves the whole text as content (vLLM
+    keeps only what followed the marker). Ids are Mistral's nine characters."""
 
     name: ClassVar[str] = "mistral"
     MARKS: ClassVar[tuple[str, ...]] = ("[TOOL_CALLS]",)
-    ARGS: ClassVar[str] = "[ARGS]"
 
     _call_id = staticmethod(mistral_tool_call_id)
 
-    def _calls(self, tail: str) -> list[tuple[str, str]] | None:
-        segments = [s.strip() for s in tail.split(self.MARKS[0]) if s.strip()]
-        if not segments:
+    def _region_at(self, text: str) -> tuple[int, int | None]:
+        at, body = super()._region_at(text)
+        return (0, body) if not self.content and not text[:at].strip() else (at, body)
+
+    def _new_region(self) -> _MistralCalls:
+        return _MistralCalls()
+
+
+class _DeepSeekCalls(_Segments):
+    SEGMENT: ClassVar[str] = "<｜tool▁call▁begin｜>"
+    SEP: ClassVar[str] = "<｜tool▁sep｜>"
+    FENCE: ClassVar[str] = "```json\n"
+
+    def _head(self, text: str, pos: int) -> tuple[str, int] | None:
+        sep = text.find("<", pos)  # the kind (function) holds no "<"
+        if sep < 0 or self.SEP.startswith(text[sep:]) and not text.startswith(self.SEP, sep):
             return None
-        if segments[0].startswith("["):  # before v11: one JSON array
-            try:
-                parsed, _ = json.JSONDecoder().raw_decode(segments[0])
-            except (ValueError, RecursionError):
-                return None
-            items = parsed if isinstance(parsed, list) else [parsed]
-            calls = [parse_call_object(item, ("arguments", "parameters")) for item in items]
-            return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
-        calls = []
-        for segment in segments:  # v11+: name[ARGS]{...}, or name{...}
-            name, sep, arguments = segment.partition(self.ARGS)
-            if not sep:
-                brace = segment.find("{")
-                if brace < 0:
-                    return None
-                name, arguments = segment[:brace], segment[brace:]
-            try:
-                value, _ = json.JSONDecoder().raw_decode(arguments.strip())
-            except (ValueError, RecursionError):
-                return None
-            call = parse_call_object({"name": name.strip(), "arguments": value}, ("arguments",))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls
-
-    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
-        calls = self._calls(held[len(self.MARKS[0]):])
-        return None if calls is None else ("", calls)
-
-    def finish(self) -> Emitted:
-        emitted = super().finish()
-        if self.calls and not self.content.strip():
-            self.content = ""  # only whitespace before the calls: no content (vLLM)
-        return emitted
-
-
-@dataclass
-class Llama4PythonicToolParser(PythonicToolParser):
-    """``pythonic``, the list optionally between ``<|python_start|>`` and ``<|python_end|>``."""
-
-    name: ClassVar[str] = "llama4_pythonic"
-    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
-    WRAP: ClassVar[tuple[str, str] | None] = ("<|python_start|>", "<|python_end|>")
-
-
-_DEEPSEEK_CALL = re.compile(
-    r"<｜tool▁call▁begin｜>(?P<kind>[^<]*)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n(?P<arguments>.*?)\n```"
-    r"<｜tool▁call▁end｜>", re.DOTALL)
+        if not text.startswith(self.SEP, sep):
+            return "", sep
+        line = text.find("\n", sep + len(self.SEP))
+        fence = text[line + 1:line + 1 + len(self.FENCE)]
+        if line < 0 or len(fence) < len(self.FENCE) and self.FENCE.startswith(fence):
+            return None
+        name = text[sep + len(self.SEP):line].strip()
+        return (name, line + 1 + len(fence)) if fence == self.FENCE else ("", line)
 
 
 @dataclass
@@ -251,38 +395,50 @@ class DeepSeekV3ToolParser(_HeldAfterMarker):
     name: ClassVar[str] = "deepseek_v3"
     MARKS: ClassVar[tuple[str, ...]] = ("<｜tool▁calls▁begin｜>",)
 
-    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
-        calls = []
-        for match in _DEEPSEEK_CALL.finditer(held):
-            call = parse_call_object({"name": match["name"].strip(), "arguments": match["arguments"].strip()},
-                                     ("arguments",))
-            if call is None:
-                return None
-            calls.append(call)
-        return "", calls
+    def _new_region(self) -> _DeepSeekCalls:
+        return _DeepSeekCalls(in_segment=False)
 
 
 @dataclass
 class GraniteToolParser(_HeldAfterMarker):
     """Granite 3.0 / 3.1: ``<|tool_call|>`` (3.0, a special token) or ``<tool_call>``
-    (3.1, text), then a JSON array of ``{"name", "arguments"}``; prose after the array
-    is content too."""
+    (3.1, text), then a JSON array of ``{"name", "arguments"}`` (or one object); prose
+    after it is content too."""
 
     name: ClassVar[str] = "granite"
     MARKS: ClassVar[tuple[str, ...]] = ("<|tool_call|>", "<tool_call>")
 
-    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
-        mark = next(m for m in self.MARKS if held.startswith(m))
-        body = held[len(mark):].lstrip()
-        try:
-            parsed, end = json.JSONDecoder().raw_decode(body)
-        except (ValueError, RecursionError):
-            return None
-        items = parsed if isinstance(parsed, list) else [parsed]
-        calls = [parse_call_object(item, ("arguments", "parameters")) for item in items]
-        if not calls or any(c is None for c in calls):
-            return None
-        return body[end:].strip(), calls  # type: ignore[return-value]
+    def _new_region(self) -> JsonCalls:
+        return JsonCalls("any", KEYS)
+
+
+class _InternLMCalls:
+    """The action's text: one call object from its first ``{``; what follows is ignored."""
+
+    END: ClassVar[str] = "<|action_end|>"
+
+    def __init__(self) -> None:
+        self._text, self._inner = "", None
+        self.failed = False
+
+    calls = property(lambda self: self._inner.calls if self._inner is not None else [])
+    rest = None
+
+    def feed(self, more: str) -> None:
+        if self._inner is not None:
+            return self._inner.feed(more)
+        self._text += more
+        brace, end = self._text.find("{"), self._text.find(self.END)
+        if 0 <= end and (brace < 0 or end < brace):
+            self.failed = True
+        elif brace >= 0:
+            self._inner = JsonCalls("one", ("parameters", "arguments"))
+            self._inner.feed(self._text[brace:])
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+        self.failed = self.failed or not self.calls
 
 
 @dataclass
@@ -293,36 +449,82 @@ class InternLMToolParser(_HeldAfterMarker):
     name: ClassVar[str] = "internlm"
     MARKS: ClassVar[tuple[str, ...]] = ("<|action_start|><|plugin|>",)
 
-    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
-        action = held[len(self.MARKS[0]):].split("<|action_end|>")[0]
-        brace = action.find("{")
-        call = parse_call_object(action[brace:].strip(), ("parameters", "arguments")) if brace >= 0 else None
-        return None if call is None else ("", [call])
+    def _new_region(self) -> _InternLMCalls:
+        return _InternLMCalls()
 
 
 @dataclass
-class HarmonyToolParser(_HeldAfterMarker):
+class HarmonyToolParser(ToolCallParser):
     """gpt-oss (``openai``): harmony messages addressed to ``functions.NAME``
     (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``)
-    are calls; ``final`` and ``commentary`` messages to no one are content, ``analysis``
-    is left to the reasoning parser (dropped here), and so are messages to other
-    recipients (built-in tools). Under the ``openai_gptoss`` reasoning parser the
-    calls reach this parser as the model wrote them."""
+    are calls, streamed as their arguments object arrives; one whose body is no
+    arguments object is content as written. ``final`` and ``commentary`` messages to no
+    one are content, ``analysis`` is left to the reasoning parser (dropped here), and so
+    are messages to other recipients (built-in tools). Under the ``openai_gptoss``
+    reasoning parser the calls reach this parser as the model wrote them. The messages
+    are ``HarmonySplit``'s, which passes recipient messages on as written."""
 
     name: ClassVar[str] = "openai"
-    MARKS: ClassVar[tuple[str, ...]] = ("<|start|>", "<|channel|>")
-    FRAMES_CONTENT: ClassVar[bool] = True
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = True
+    HEADERS: ClassVar[tuple[str, ...]] = ("<|start|>", "<|channel|>", "<|constrain|>")
+    ENDS: ClassVar[tuple[str, ...]] = ("<|call|>", "<|end|>", "<|return|>")
 
-    def _parse(self, held: str) -> tuple[str, list[tuple[str, str]]] | None:
-        split = HarmonySplit(raw_calls=False)
-        content = split.feed(held)[1] + split.finish()[1]
-        calls = []
-        for recipient, _, body in split.calls:
-            if not recipient.startswith("functions."):
+    _split: HarmonySplit = field(default_factory=lambda: HarmonySplit(raw_calls=True))
+    _out: str = ""  # the split's output not yet read
+    _message: str | None = None  # the recipient message being read, as written
+    _function: str | None = None  # the function it calls (None: another recipient)
+    _body: JsonCall | None = None
+
+    def _end_message(self) -> Emitted:
+        message, function, body = self._message, self._function, self._body
+        self._message = self._function = self._body = None
+        if function is None:
+            return "", []
+        if body is not None:
+            body.close()
+            if body.call.ready:
+                return "", self._pieces(body.call)
+        return message or "", []
+
+    def _read(self, out: str, final: bool = False) -> Emitted:
+        self._out += out
+        content, deltas = "", []
+        while self._out:
+            if self._message is None:
+                at = min((i for i in map(self._out.find, self.HEADERS) if i >= 0), default=-1)
+                begins = self._out.find("<|message|>", max(at, 0))
+                if at < 0 or begins < 0:
+                    content, self._out = content + self._out[:at if at >= 0 else None], self._out[at:] if at >= 0 else ""
+                    break
+                content += self._out[:at]
+                header, self._out = self._out[at:begins], self._out[begins + len("<|message|>"):]
+                self._message = header + "<|message|>"
+                recipient = re.search(r"to=([^\s<]+)", header)
+                self._function = recipient.group(1).removeprefix("functions.") if recipient and \
+                    recipient.group(1).startswith("functions.") else None
+                self._body = JsonCall(name=self._function) if self._function else None
                 continue
-            call = parse_call_object({"name": recipient[len("functions."):], "arguments": body.strip()},
-                                     ("arguments",))
-            if call is None:
-                return None
-            calls.append(call)
-        return content, calls
+            at, token = min(((i, t) for t in self.ENDS if (i := self._out.find(t)) >= 0),
+                            default=(len(self._out), ""))
+            self._message += self._out[:at] + token
+            if self._body is not None:
+                self._body.feed(self._out[:at])
+                deltas += self._pieces(self._body.call)
+            self._out = self._out[at + len(token):]
+            if not token:
+                break
+            more, new = self._end_message()
+            content, deltas = content + more, deltas + new
+        if final:
+            if self._message is not None:
+                more, new = self._end_message()
+                content, deltas = content + more, deltas + new
+            content, self._out = content + self._out, ""
+        return content, deltas
+
+    def feed(self, text: str) -> Emitted:
+        return self._emit(*self._read(self._split.feed(text)[1]))
+
+    def finish(self) -> Emitted:
+        self.finished = True
+        return self._emit(*self._read(self._split.finish()[1], final=True))

@@ -13,8 +13,11 @@ Each parameter's value is text (one newline at each end is the template's); it b
 the type the tool's schema gives that parameter (``coerce``: null, integer, number,
 boolean, object, array, string, in that order of preference, as vLLM's), a string
 where the schema says nothing. Text around the calls is content, as with ``hermes``,
-whose streaming this shares: a call is sent whole once its end tag (or the output's
-end) arrives; a parameter cut off by the end of the output is dropped.
+whose streaming this shares (``XmlCall`` reads the text between the tags): a call is
+announced at its ``<function=NAME>`` (nothing after it can make it no call), then each
+parameter is sent as it closes, as the next pair of the arguments JSON; a parameter
+cut off by the end of the output (or by ``</function>``) is dropped, and a repeated
+one is ignored (the first stands: it was sent).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import math
 import re
 from typing import Any, ClassVar
 
+from deploy.openai.call_stream import StreamedCall
 from deploy.openai.tool_parsers import HermesToolParser
 
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_FUNCTION = re.compile(r"<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _ORDER = ("null", "integer", "number", "boolean", "object", "array", "string")
 _ALIASES = {"str": "string", "text": "string", "int": "integer", "float": "number", "double": "number",
@@ -108,21 +112,57 @@ def _trim(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
+class XmlCall:
+    """One call's text between the tags as it arrives: its name from the first
+    ``<function=NAME>`` (a blank one: no call), then each
+    ``<parameter=KEY>VALUE</parameter>`` as it closes, up to ``</function>``; text
+    between the parameters is ignored."""
+
+    def __init__(self, schemas: dict[str, Any]) -> None:
+        self.schemas = schemas
+        self.call = StreamedCall(early=True)
+        self.failed = False
+        self._text, self._pos = "", 0
+        self._end: int | None = None  # where the function's body ends (``</function>``)
+        self._properties: dict[str, Any] = {}
+
+    def feed(self, more: str) -> None:
+        self._text += more
+        if ">" in more and not (self.failed or self.call.closed):  # every tag read here ends with ">"
+            self._scan()
+
+    def _scan(self) -> None:
+        text = self._text
+        if self.call.name is None:
+            match = _FUNCTION.search(text, self._pos)
+            if match is None:
+                return
+            self.call.name, self._pos = match.group(1).strip(), match.end()
+            if not self.call.name:
+                self.failed, self.call.name = True, None
+                return
+            schema = self.schemas.get(self.call.name)
+            properties = schema.get("properties") if isinstance(schema, dict) else None
+            self._properties = properties if isinstance(properties, dict) else {}
+        if self._end is None and (end := text.find("</function>", self._pos)) >= 0:
+            self._end = end
+        while not self.call.closed and (match := _PARAMETER.search(text, self._pos, self._end or len(text))):
+            key = match.group(1).strip()
+            if not self.call.add(key, coerce(_trim(match.group(2)), schema_types(self._properties.get(key)))):
+                self.call.close()
+            self._pos = match.end()
+        if self._end is not None:
+            self.call.close()
+
+    def close(self) -> None:
+        """The call's text ended."""
+        if self.call.name is None:
+            self.failed = True
+        self.call.close()
+
+
 class Qwen3XmlToolParser(HermesToolParser):
     name: ClassVar[str] = "qwen3_xml"
 
-    def _parse_body(self, body: str) -> tuple[str, str] | None:
-        match = _FUNCTION.search(body)
-        if match is None or not match.group(1).strip():
-            return None
-        name = match.group(1).strip()
-        schema = self.schemas.get(name)
-        properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
-        arguments = {}
-        for key, value in _PARAMETER.findall(match.group(2)):
-            key = key.strip()
-            arguments[key] = coerce(_trim(value), schema_types(properties.get(key)))
-        try:
-            return name, json.dumps(arguments, ensure_ascii=False)
-        except (ValueError, RecursionError):
-            return None
+    def _new_body(self) -> XmlCall:
+        return XmlCall(self.schemas)
