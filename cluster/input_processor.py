@@ -73,13 +73,7 @@ class InputProcessor:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        check_text("request_id", request_id)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and c.scheduling_policy != "priority":
-            raise ValueError("priority needs scheduling_policy='priority'")
+        self._check_id_and_priority(request_id, priority)
         if params.thinking_token_budget is not None and not (c.reasoning_start and c.reasoning_end):
             raise ValueError(
                 "thinking_token_budget needs a server started with reasoning markers "
@@ -126,6 +120,15 @@ class InputProcessor:
             priority=priority, arrival_time=arrival_time, lora=lora,
         )
 
+    def _check_id_and_priority(self, request_id: object, priority: object) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        check_text("request_id", request_id)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority'")
+
     # -- pooling requests ---------------------------------------------------------------
 
     def make_pooling_request(
@@ -147,13 +150,7 @@ class InputProcessor:
         params = params if params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling params must be PoolingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        check_text("request_id", request_id)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError("priority needs scheduling_policy='priority'")
+        self._check_id_and_priority(request_id, priority)
         params.verify(self.pooler)
         limit = self.max_model_len
         keep = params.truncate_prompt_tokens

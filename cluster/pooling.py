@@ -15,7 +15,7 @@ cosine similarity of two embeddings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -153,27 +153,31 @@ class ScoringOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class _TaskRequestOutput:
+    """A pooling output as one task's output class shows it (``from_base``)."""
+
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
+    #: the task's output class, built from the vector as a list
+    task_output: ClassVar[type] = object
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(_data(out).tolist()), out.prompt_token_ids, out.finished)
+    def from_base(cls, out: PoolingRequestOutput) -> Any:
+        return cls(out.request_id, cls.task_output(_data(out).tolist()), out.prompt_token_ids, out.finished)
 
 
 @dataclass
-class ClassificationRequestOutput:
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+class EmbeddingRequestOutput(_TaskRequestOutput):
+    outputs: EmbeddingOutput
+    task_output: ClassVar[type] = EmbeddingOutput
 
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput(_data(out).tolist()), out.prompt_token_ids, out.finished)
+
+@dataclass
+class ClassificationRequestOutput(_TaskRequestOutput):
+    outputs: ClassificationOutput
+    task_output: ClassVar[type] = ClassificationOutput
 
 
 @dataclass

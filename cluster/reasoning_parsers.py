@@ -149,7 +149,9 @@ class MarkerSplit:
 class HarmonySplit:
     """gpt-oss's harmony messages: ``<|channel|>NAME ...<|message|>TEXT<|end|>``
     (or ``<|return|>`` / ``<|call|>``), each after ``<|start|>ROLE`` but the first (the
-    prompt ends with ``<|start|>assistant``). ``analysis`` is reasoning, ``final`` and
+    prompt ends with ``<|start|>assistant``; the first header may go on from it with a
+    recipient, `` to=functions.f<|channel|>commentary json``, as gpt-oss's template
+    writes calls). ``analysis`` is reasoning, ``final`` and
     ``commentary`` addressed to no one are content, other channels neither; separate
     messages of one kind are joined by a newline (as vLLM's harmony parser). A message
     to a recipient (a tool call) is recorded in ``calls`` (recipient, content type,
@@ -168,6 +170,7 @@ class HarmonySplit:
         self._started: dict[str, bool] = {"reasoning": False, "content": False}
         self._body_begun = False
         self._seen_analysis = False
+        self._at_start = True  # the prompt's "<|start|>assistant" may go on with " to=RECIPIENT"
 
     @property
     def reasoned(self) -> bool:
@@ -176,6 +179,14 @@ class HarmonySplit:
     def feed(self, text: str) -> tuple[str, str]:
         out: dict[str, list[str]] = {"reasoning": [], "content": []}
         pending = self._pending + text
+        if self._at_start:
+            head = pending.lstrip()
+            if len(head) < 3 and "to=".startswith(head):
+                self._pending = pending  # too short to tell
+                return "", ""
+            self._at_start = False
+            if head.startswith("to="):  # the recipient in the role header the prompt began
+                self._where, self._header = "header", ""
         while True:
             found = _first(pending, HARMONY_TOKENS)
             if found is None:

@@ -43,6 +43,7 @@ SLOW_MODULES = frozenset({
     "test_step_channel", "test_shm_allreduce", "test_smollm2_llm", "test_smollm2_worker",
     "test_long_prefix_cache", "test_cuda", "test_structured_output_llm", "test_bench_report",
     "test_flex_attention",  # FlexAttention compiled on the CPU, a shape at a time
+    "test_tool_templates",  # pip download of llama.cpp's source package (its chat templates), once
 })
 FAST_LIMIT_S = 5.0
 #: the fast tier's property tests draw this share of their CI examples (at least 10)

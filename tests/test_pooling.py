@@ -265,6 +265,22 @@ def test_pooler_spec_from_sentence_transformers_files(folders, tmp_path):
         pooler_spec(str(folder), config)
 
 
+def test_which_architectures_pool():
+    """A base model pools (its family's base class, by transformers' table); a model
+    with a head whose class name also ends in "Model" does not."""
+    from transformers import AutoConfig
+
+    from worker.pooling import pooling_task
+
+    cases = [("gpt2", "GPT2LMHeadModel", None), ("gpt2", "GPT2Model", "embed"), ("qwen2", "Qwen2Model", "embed"),
+             ("qwen2", "Qwen2ForCausalLM", None), ("bert", "BertForMaskedLM", "embed"),
+             ("bert", "BertForSequenceClassification", "classify"), ("llama", None, None)]
+    for kind, arch, want in cases:
+        config = AutoConfig.for_model(kind)
+        config.architectures = [arch] if arch else None
+        assert pooling_task(config) == want, (kind, arch)
+
+
 def test_runner_choice_and_refusals(folders):
     from worker.runner.model_loader import ModelLoadError
     from worker.runner.pooling_runner import serves_pooling

@@ -316,3 +316,27 @@ def test_a_chunk_sends_the_end_of_a_call_before_the_content_after_it():
     assert [i for i, d in enumerate(deltas) if d.get("tool_calls")][-1] < [
         i for i, d in enumerate(deltas) if d.get("content")][-1]
     assert "".join(d.get("content") or "" for d in deltas) == "Done."
+
+
+def test_a_mistral_v13_call_id_is_not_part_of_the_name():
+    """Mistral Small 3.2's template writes ``name[CALL_ID]id[ARGS]{...}``
+    (``test_tool_templates.py``): the id is not part of the name (the server makes its own)."""
+    text = '[TOOL_CALLS]get_weather[CALL_ID]xK3f9aQ2b[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time[CALL_ID]pL7m2Rt4c[ARGS]{}'
+    expected = ("", [["get_weather", '{"city": "Lyon"}'], ["get_time", "{}"]])
+    assert streamed("mistral", [text], {}) == expected == streamed("mistral", list(text), {})
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # gpt-oss's template writes calls with the recipient in the role header the prompt began
+    # (<|start|>assistant to=functions.f<|channel|>commentary json<|message|>): the output begins with it
+    (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>', "",
+     [["get_weather", '{"city": "Paris"}']]),
+    ("to", "to", []), (" tomorrow", " tomorrow", []),  # a model not writing harmony: content
+])
+def test_a_gpt_oss_recipient_in_the_role_header_the_prompt_began(text, content, calls):
+    from cluster.reasoning_parsers import REASONING_PARSERS
+
+    assert streamed("openai", [text], {}) == (content, calls) == streamed("openai", list(text), {})
+    split = REASONING_PARSERS["openai_gptoss"].new_split()  # the reasoning split passes the call on
+    answer = "".join(split.feed(ch)[1] for ch in text) + split.finish()[1]
+    assert answer == text and REASONING_PARSERS["openai_gptoss"].split(text) == (None, text)

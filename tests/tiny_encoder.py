@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_model import CORPUS
+from tiny_model import CORPUS, save_random_model
 
 
 def wordpiece_tokenizer():
@@ -61,15 +61,8 @@ def build_tiny_encoder(folder: Path, *, arch: str = "bert", task: str = "embed",
         common.update(num_labels=num_labels, id2label={i: f"label_{i}" for i in range(num_labels)},
                       label2id={f"label_{i}": i for i in range(num_labels)})
     config = AutoConfig.for_model(arch, **{**common, **overrides})
-    torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if task == "classify" else AutoModel
-    model = cls.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    save_random_model(folder, config, tok, seed, auto_class=cls)
     return folder
 
 

@@ -65,13 +65,13 @@ def build_tiny_model(folder: Path, *, seed: int = 0, num_kv_heads: int = 2, arch
     return save_random_model(folder, AutoConfig.for_model(arch, **{**common, **extra, **overrides}), tok, seed)
 
 
-def save_random_model(folder: Path, config, tok, seed: int = 0) -> Path:
-    """A model of ``config`` with seeded random weights, saved with ``tok`` into
-    ``folder``."""
+def save_random_model(folder: Path, config, tok, seed: int = 0, auto_class=None) -> Path:
+    """A model of ``config`` (built by ``auto_class``: default a causal LM) with seeded
+    random weights, saved with ``tok`` into ``folder``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = (auto_class or AutoModelForCausalLM).from_config(config)
     # Larger weights than the default init: sharper logits, fewer near-ties.
     with torch.no_grad():
         for p in model.parameters():

@@ -118,12 +118,21 @@ def is_encoder(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", None) in ENCODER_TYPES
 
 
+def is_base_model(hf_config: Any) -> bool:
+    """Its architecture is its family's base model (``Qwen2Model``, not a model with a
+    head: ``GPT2LMHeadModel`` ends in ``Model`` too), by transformers' own table."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    base = MODEL_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+    names = base if isinstance(base, (list, tuple)) else [base]
+    return bool(architecture(hf_config)) and architecture(hf_config) in names
+
+
 def pooling_task(hf_config: Any) -> str | None:
     """The pooling task a model's architecture implies (None: a generative model)."""
-    arch = architecture(hf_config)
-    if arch.endswith("ForSequenceClassification"):
+    if architecture(hf_config).endswith("ForSequenceClassification"):
         return "classify"
-    if is_encoder(hf_config) or (arch.endswith("Model") and not arch.endswith("PreTrainedModel")):
+    if is_encoder(hf_config) or is_base_model(hf_config):
         return "embed"
     return None
 

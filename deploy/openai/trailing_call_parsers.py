@@ -301,6 +301,7 @@ KEYS = ("arguments", "parameters")
 class _MistralSegments(_Segments):
     SEGMENT: ClassVar[str] = "[TOOL_CALLS]"
     ARGS: ClassVar[str] = "[ARGS]"
+    CALL_ID: ClassVar[str] = "[CALL_ID]"  # v13 (Small 3.2): name[CALL_ID]id[ARGS]{...}; the id is dropped
 
     def _head(self, text: str, pos: int) -> tuple[str, int] | None:
         args, brace, segment = text.find(self.ARGS, pos), text.find("{", pos), text.find(self.SEGMENT, pos)
@@ -308,7 +309,7 @@ class _MistralSegments(_Segments):
         if not ends:
             return None if segment < 0 else ("", segment)
         cut, start = min(ends)
-        return ("", segment) if 0 <= segment < cut else (text[pos:cut].strip(), start)
+        return ("", segment) if 0 <= segment < cut else (text[pos:cut].partition(self.CALL_ID)[0].strip(), start)
 
 
 class _MistralCalls:
@@ -474,6 +475,7 @@ class HarmonyToolParser(ToolCallParser):
     _message: str | None = None  # the recipient message being read, as written
     _function: str | None = None  # the function it calls (None: another recipient)
     _body: JsonCall | None = None
+    _at_start: bool = True  # the output may begin inside the prompt's "<|start|>assistant" header
 
     def _end_message(self) -> Emitted:
         message, function, body = self._message, self._function, self._body
@@ -492,11 +494,17 @@ class HarmonyToolParser(ToolCallParser):
         while self._out:
             if self._message is None:
                 at = min((i for i in map(self._out.find, self.HEADERS) if i >= 0), default=-1)
+                if self._at_start:  # " to=functions.f<|channel|>...": the recipient in the role header
+                    head = self._out.lstrip()
+                    if head.startswith("to=") or len(head) < 3 and "to=".startswith(head):
+                        at = 0  # the header (or too short to tell), held until its <|message|>
+                    else:
+                        self._at_start = False
                 begins = self._out.find("<|message|>", max(at, 0))
                 if at < 0 or begins < 0:
                     content, self._out = content + self._out[:at if at >= 0 else None], self._out[at:] if at >= 0 else ""
                     break
-                content += self._out[:at]
+                content, self._at_start = content + self._out[:at], False
                 header, self._out = self._out[at:begins], self._out[begins + len("<|message|>"):]
                 self._message = header + "<|message|>"
                 recipient = re.search(r"to=([^\s<]+)", header)

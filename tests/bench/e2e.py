@@ -87,8 +87,8 @@ class Req:
     seed: int
 
 
-def corpus_tokens(tok: Any) -> list[int]:
-    """One long token stream: the docstrings of ``CORPUS_MODULES`` and their members."""
+def corpus_text() -> str:
+    """The docstrings of ``CORPUS_MODULES`` and their members, one after another."""
     parts: list[str] = []
     for name in CORPUS_MODULES:
         mod = importlib.import_module(name)
@@ -96,7 +96,12 @@ def corpus_tokens(tok: Any) -> list[int]:
         for _, obj in sorted(vars(mod).items()):
             if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", None) == name:
                 parts.append(inspect.getdoc(obj) or "")
-    return tok.encode("\n\n".join(p for p in parts if p), add_special_tokens=False)
+    return "\n\n".join(p for p in parts if p)
+
+
+def corpus_tokens(tok: Any) -> list[int]:
+    """One long token stream: ``corpus_text`` tokenized."""
+    return tok.encode(corpus_text(), add_special_tokens=False)
 
 
 def build_workload(stream: list[int], n: int, prompt_len: tuple[int, int], out_len: tuple[int, int],

@@ -50,36 +50,25 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
+from e2e import corpus_text  # noqa: E402
 from vs_vllm import find_peer, peer_env, run_json_child  # noqa: E402
 
 MARKER = "@@EMBED@@ "
 WORDS_RANGE = (16, 128)
 
 
-def corpus_text() -> str:
-    import importlib
-    import inspect
-
-    from e2e import CORPUS_MODULES
-
-    parts = []
-    for name in CORPUS_MODULES:
-        mod = importlib.import_module(name)
-        parts.append(inspect.getdoc(mod) or "")
-        for _, obj in sorted(vars(mod).items()):
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", None) == name:
-                parts.append(inspect.getdoc(obj) or "")
-    return "\n\n".join(p for p in parts if p)
-
-
-def passages(n: int, seed: int) -> list[str]:
+def passages(n: int, seed: int, tokenizer: Any = None, max_tokens: int = 510) -> list[str]:
+    """``n`` passages of the corpus (seeded); with a ``tokenizer``, only ones of at most
+    ``max_tokens`` tokens (every system embeds them whole: none truncates)."""
     words = corpus_text().split()
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
+    out: list[str] = []
+    while len(out) < n:
         k = rng.randint(*WORDS_RANGE)
         start = rng.randrange(0, len(words) - k)
-        out.append(" ".join(words[start : start + k]))
+        text = " ".join(words[start : start + k])
+        if tokenizer is None or len(tokenizer(text)["input_ids"]) <= max_tokens:
+            out.append(text)
     return out
 
 
@@ -210,6 +199,16 @@ def run_system(system: str, folder: Path, decoder: bool, texts: list[str], warmu
     return {**result, "rate": rate}
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
 def cosine(a: list[float], b: list[float]) -> float:
     import numpy as np
 
@@ -235,14 +234,21 @@ def main() -> None:
     if args.quick:
         args.texts, args.rounds = 64, 1
     systems = ["ours", "st"] + ([] if args.skip_peer or find_peer() is None else ["vllm"])
-    texts, warmup = passages(args.texts, seed=1), passages(16, seed=2)
     logs = Path(tempfile.mkdtemp(prefix="raydecode-embed-bench-"))
-    print(f"host: {os.uname().nodename}, {os.cpu_count()} cores; {args.texts} texts of {WORDS_RANGE[0]}-"
+    import platform
+
+    print(f"host: {platform.processor() or platform.machine()} {_cpu_model()}, {os.cpu_count()} cores; "
+          f"{args.texts} texts of {WORDS_RANGE[0]}-"
           f"{WORDS_RANGE[1]} words; systems {systems}; logs {logs}", flush=True)
     table = []
     for name in args.models.split(","):
         build, decoder = MODELS[name]
         folder = build(bench_dir() / name)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        texts, warmup = passages(args.texts, 1, tok), passages(16, 2, tok)
+        print(f"{name}: {sum(len(tok(t)['input_ids']) for t in texts)} tokens in {len(texts)} texts", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for r in range(args.rounds):
             for system in systems:
