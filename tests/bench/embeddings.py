@@ -6,7 +6,7 @@ Run::
     make peers                                    # once: vLLM's CPU build in its own venv
     .venv/bin/python tests/bench/embeddings.py                 # both models, 3 rounds
     .venv/bin/python tests/bench/embeddings.py --quick         # 1 round, 64 texts
-    ... --models bert-base --texts 512 --rounds 5 --skip-peer
+    ... --models bert-base --texts 512 --rounds 5 --skip-peer --skip-st
 
 Models (built once into ``$RAYDECODE_CACHE/bench-embeddings/``, each a
 sentence-transformers folder, so all three systems read the same pooling config):
@@ -225,6 +225,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens of ours and vLLM")
     parser.add_argument("--rows", type=int, default=64, help="our max_num_seqs")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-st", action="store_true", help="leave sentence-transformers out")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
@@ -233,7 +234,7 @@ def main() -> None:
         return
     if args.quick:
         args.texts, args.rounds = 64, 1
-    systems = ["ours", "st"] + ([] if args.skip_peer or find_peer() is None else ["vllm"])
+    systems = ["ours"] + ([] if args.skip_st else ["st"]) + ([] if args.skip_peer or find_peer() is None else ["vllm"])
     logs = Path(tempfile.mkdtemp(prefix="raydecode-embed-bench-"))
     import platform
 

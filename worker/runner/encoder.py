@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from torch import nn
 from worker.pooling import ENCODER_TYPES, PoolingModelError, dense_layers
 
 PACKED_ATTENTION = "raydecode_packed"
+#: spans up to this long attend by two matmuls and a softmax (faster than SDPA's CPU
+#: kernel on short ones), longer ones through SDPA
+MATMUL_ATTENTION_MAX = 128
 
 
 @dataclass
@@ -71,9 +75,14 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         out = F.scaled_dot_product_attention(split(query), split(key), split(value), scale=scaling)
         return out.permute(0, 2, 1, 3).reshape(1, total, heads, dim), None
     out = query.new_empty(total, heads, dim)
+    scale = scaling if scaling is not None else dim**-0.5
     for start, length in zip(spans.starts, lengths):
         part = slice(start, start + length)
-        o = F.scaled_dot_product_attention(query[:, :, part], key[:, :, part], value[:, :, part], scale=scaling)
+        q, k, v = query[:, :, part], key[:, :, part], value[:, :, part]
+        if length <= MATMUL_ATTENTION_MAX:
+            o = torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1), v)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale)
         out[part] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -133,17 +142,54 @@ class EncoderModel:
         return model.classifier(pooled.unsqueeze(1))  # RoBERTa: the head takes the first token itself
 
 
-def load_encoder(path: str, task: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> nn.Module:
+def fuse_qkv(model: nn.Module) -> int:
+    """Each BERT-family self-attention's ``query``, ``key`` and ``value`` projections
+    stacked into one linear (``qkv``: one matmul a layer instead of three), the module
+    running ``fused_self_attention``; returns how many were fused."""
+    fused = 0
+    for module in model.modules():
+        parts = [getattr(module, name, None) for name in ("query", "key", "value")]
+        if not module.__class__.__name__.endswith("SelfAttention") or not all(type(p) is nn.Linear for p in parts):
+            continue
+        if len({p.bias is None for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
+            continue
+        qkv = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                        device="meta", dtype=parts[0].weight.dtype)
+        qkv.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+        if qkv.bias is not None:
+            qkv.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+        del module.query, module.key, module.value
+        module.qkv = qkv
+        module.forward = types.MethodType(fused_self_attention, module)
+        fused += 1
+    return fused
+
+
+def fused_self_attention(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A BERT-family self-attention's forward over packed prompts, its projections one
+    matmul (``fuse_qkv``)."""
+    shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+    q, k, v = (x.view(shape).transpose(1, 2) for x in self.qkv(hidden_states).split(self.all_head_size, dim=-1))
+    out, _ = packed_attention(self, q, k, v, None, scaling=self.scaling)
+    return out.reshape(*hidden_states.shape[:-1], -1), None
+
+
+def load_encoder(path: str, task: str, dtype: torch.dtype, kwargs: dict[str, Any], fuse: bool = True) -> nn.Module:
     """transformers' base model (embed) or sequence-classification model (classify)
-    from ``path``, attending through ``packed_attention``."""
+    from ``path``, attending through ``packed_attention`` (``fuse``: its projections
+    stacked, ``fuse_qkv``)."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     register_packed_attention()
     cls = AutoModelForSequenceClassification if task == "classify" else AutoModel
     try:
-        return cls.from_pretrained(path, dtype=dtype, attn_implementation=PACKED_ATTENTION, **kwargs).eval()
+        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=PACKED_ATTENTION, **kwargs).eval()
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise PoolingModelError(f"cannot load {path} as an encoder ({task}): {exc}") from None
+    if fuse:
+        fuse_qkv(model)
+    return model
 
 
 def load_dense_layers(folder: str, dtype: torch.dtype) -> list[tuple[nn.Linear, nn.Module]]:
