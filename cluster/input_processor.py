@@ -184,6 +184,8 @@ class InputProcessor:
                     raise ValueError(f"{name}: a cross-encoder scores text pairs, got {type(value).__name__}")
                 check_text(name, value)
                 budget.check_chars(name, len(value))
+            if self.pooler.lowercase:
+                prompt, pair = prompt.lower(), pair.lower()
             enc = self.tokenizer(prompt, pair, truncation=keep is not None, max_length=keep)
             types = enc.get("token_type_ids")
             return None, list(enc["input_ids"]), list(types) if types is not None and any(types) else None
@@ -195,6 +197,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             check_text("input", prompt)
             budget.check_chars("input", len(prompt))
+            if self.pooler.lowercase:  # the sentence-transformers folder's do_lower_case
+                prompt = prompt.lower()
             enc = self.tokenizer(prompt, truncation=keep is not None, max_length=keep)
             ids = list(enc["input_ids"])
             if not ids:

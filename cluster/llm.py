@@ -146,7 +146,8 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """A pooling model's vector per prompt (``outputs.data``, a tensor): an
         embedding or a classifier's probabilities. Every prompt is checked before any
-        is queued."""
+        is queued. ``pooling_task`` left out is the model's own task (vLLM 0.32 asks
+        for one)."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -179,7 +180,7 @@ class LLM:
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """Scores of text pairs (``outputs.score``): one text against each of a list
-        (1:N) or two lists pair by pair (N:N). A cross-encoder (a one-label classifier)
+        (1:N) or two lists pair by pair (N:N; N:1 is an error, as vLLM's). A cross-encoder (a one-label classifier)
         scores each pair in one forward; an embedding model scores the cosine
         similarity of the two embeddings."""
         left, right = score_pairs(data_1, data_2)
@@ -266,20 +267,19 @@ class LLM:
 
 
 def score_pairs(data_1: Any, data_2: Any) -> tuple[list[str], list[str]]:
-    """The pairs ``LLM.score`` scores: a text against each of a list, a list against a
-    text, or two lists of one length pair by pair (``ValueError`` otherwise)."""
-    one, two = isinstance(data_1, str), isinstance(data_2, str)
-    left = [data_1] if one else list(data_1) if isinstance(data_1, (list, tuple)) else None
-    right = [data_2] if two else list(data_2) if isinstance(data_2, (list, tuple)) else None
-    if left is None or right is None:
-        raise ValueError("score takes a text or a list of texts on each side")
-    if not left or not right:
-        raise ValueError("score: each side needs at least one text")
-    if len(left) == 1 and len(right) > 1:
+    """The pairs ``LLM.score`` scores: a text against each of a list, or two lists of
+    one length pair by pair (``ValueError`` naming the side otherwise)."""
+    sides = []
+    for name, data in (("data_1", data_1), ("data_2", data_2)):
+        texts = [data] if isinstance(data, str) else list(data) if isinstance(data, (list, tuple)) else None
+        if texts is None or not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"{name}: score takes a text or a list of texts")
+        if not texts:
+            raise ValueError(f"{name}: at least one text")
+        sides.append(texts)
+    left, right = sides
+    if len(left) == 1:
         left = left * len(right)
-    elif len(right) == 1 and len(left) > 1:
-        right = right * len(left)
     if len(left) != len(right):
-        raise ValueError(f"score: the two lists must have one length (or one side a single text), got {len(left)} "
-                         f"and {len(right)}")
+        raise ValueError(f"score: input lengths must be 1:1, 1:N or N:N, got {len(left)} and {len(right)}")
     return left, right

@@ -5,8 +5,8 @@ A worker answers a pooling model's request with one raw vector (``worker/pooling
 the pooled hidden state through a sentence-transformers folder's Dense layers, or a
 classification head's logits). Per request the driver then applies what vLLM's pooler
 applies: an embedding is cut to ``dimensions`` (Matryoshka models) and normalised, a
-classification gets its activation (softmax over several labels, sigmoid over one),
-unless ``use_activation`` is False (vLLM 0.32's one switch for both: its ``normalize``
+classification gets its activation (the model's: softmax over several labels, sigmoid
+over one, or what its ``problem_type`` or cross-encoder config names), unless ``use_activation`` is False (vLLM 0.32's one switch for both: its ``normalize``
 is gone) or, left unset, the model's folder says otherwise (a sentence-transformers
 folder without a Normalize module). A score is a cross-encoder's activated logit, or the
 cosine similarity of two embeddings.
@@ -93,12 +93,17 @@ def finish_vector(raw: np.ndarray, params: PoolingParams, pooler: PoolerSpec) ->
         if params.use_activation if params.use_activation is not None else pooler.use_activation:
             v = v / max(float(np.linalg.norm(v)), 1e-12)
         return v
-    if params.use_activation if params.use_activation is not None else pooler.use_activation:
-        if len(v) == 1:
-            return (1.0 / (1.0 + np.exp(-v))).astype(np.float32)
-        e = np.exp(v - v.max())
-        return (e / e.sum()).astype(np.float32)
-    return v
+    if not (params.use_activation if params.use_activation is not None else pooler.use_activation):
+        return v
+    kind = pooler.activation
+    if kind == "identity":
+        return v
+    if kind == "tanh":
+        return np.tanh(v).astype(np.float32)
+    if kind == "sigmoid" or len(v) == 1:
+        return (1.0 / (1.0 + np.exp(-v))).astype(np.float32)
+    e = np.exp(v - v.max())
+    return (e / e.sum()).astype(np.float32)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

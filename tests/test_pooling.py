@@ -35,11 +35,13 @@ def folders(tmp_path_factory):
         "bert": bert,
         "bert-st-mean": build_sentence_transformer(root / "bert-st-mean", bert, pooling="mean", dense=32),
         "bert-st-cls": build_sentence_transformer(root / "bert-st-cls", bert, pooling="cls", normalize=False),
-        "roberta": build_tiny_encoder(root / "roberta", arch="roberta"),
+        "roberta": build_tiny_encoder(root / "roberta", arch="roberta"),  # (before the folders around it)
         "xlm-roberta": build_tiny_encoder(root / "xlmr", arch="xlm-roberta", seed=3),
         "cross": build_tiny_encoder(root / "cross", task="classify", num_labels=1, seed=1),
         "classes": build_tiny_encoder(root / "classes", task="classify", num_labels=3, seed=2),
         "roberta-cross": build_tiny_encoder(root / "rcross", arch="roberta", task="classify", num_labels=1, seed=4),
+        "roberta-st-lower": build_sentence_transformer(root / "roberta-st-lower", root / "roberta", pooling="mean",
+                                                       dense=16, lowercase=True),
         "llama": build_tiny_model(root / "llama"),
     }
 
@@ -326,3 +328,69 @@ def test_per_request_finishing_of_vectors():
         PoolingParams(task="classify").verify(spec)
     with pytest.raises(ValueError, match="task 'score' is not supported"):
         PoolingParams(task="score").verify(PoolerSpec(task="classify", pooling_type="CLS", width=3))
+
+
+def test_lowercasing_folders_and_bfloat16_mean_pooling_through_dense_layers(folders):
+    """A folder whose Transformer module lowercases (``do_lower_case``, a case-sensitive
+    BPE tokenizer) embeds as sentence-transformers does; mean pooling in bfloat16 (sums
+    kept in float32) feeds the bfloat16 Dense layer."""
+    from sentence_transformers import SentenceTransformer
+
+    from cluster.pooling import PoolingParams as Params
+
+    folder = folders["roberta-st-lower"]
+    texts = ["The Quick BROWN fox", "Ray schedules ACTORS"]
+    ref = SentenceTransformer(str(folder), device="cpu").encode(texts)
+    runner = runner_for(folder)
+    assert runner.info.pooler.lowercase
+    tok, _ = tokens(folder, [])
+    outs, _ = pool_through_scheduler(runner, [tok(t.lower())["input_ids"] for t in texts])
+    check_close(raw_vectors(outs), ref)
+    runner16 = runner_for(folder, dtype="bfloat16")
+    outs, _ = pool_through_scheduler(runner16, [tok(t.lower())["input_ids"] for t in texts], params=Params())
+    for a, b in zip(raw_vectors(outs), ref):
+        assert cosine(a, b) >= 0.99
+
+
+def test_a_pooling_row_arrives_with_its_prompt_only(folders):
+    runner = runner_for(folders["llama"], runner="pooling", pooler_config={"pooling_type": "MEAN"})
+    bad = [
+        AddedRequest(row=0, request_id="q0", params=SamplingParams(), prompt_token_ids=Int32Array.of([5, 6, 7, 8]),
+                     output_token_ids=Int32Array.of([9])),
+        AddedRequest(row=0, request_id="q0", params=SamplingParams(), prompt_token_ids=Int32Array.of(list(range(5, 25))),
+                     num_computed_tokens=16),
+    ]
+    for added, says in zip(bad, ("no output tokens", "cannot start from cached ones")):
+        step = StepRequest(version=PROTOCOL_VERSION, step_id=0, batch_size=1, added=[added],
+                           num_scheduled_tokens=Int32Array.of([1]), num_new_blocks=Int32Array.of([2]),
+                           new_block_ids=Int32Array.of([0, 1]))
+        with pytest.raises(ProtocolError, match=says):
+            runner.execute(step)
+        assert runner.batch.batch_size == 0 and not runner.partial
+
+
+def test_a_classifiers_activation_follows_its_config():
+    from transformers import AutoConfig
+
+    from worker.pooling import classifier_activation
+
+    def config(**kw):
+        c = AutoConfig.for_model("bert", num_labels=2)
+        for k, v in kw.items():
+            setattr(c, k, v)
+        return c
+
+    assert classifier_activation(config()) == "classify"
+    assert classifier_activation(config(problem_type="regression")) == "identity"
+    assert classifier_activation(config(problem_type="multi_label_classification")) == "sigmoid"
+    assert classifier_activation(config(sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity"})) \
+        == "identity"
+    assert classifier_activation(config(sbert_ce_default_activation_function="torch.nn.modules.activation.Sigmoid")) \
+        == "classify"
+    with pytest.raises(PoolingModelError, match="activation_fn"):
+        classifier_activation(config(sentence_transformers={"activation_fn": "os.system"}))
+    logits = np.array([1.0, -2.0], dtype=np.float32)
+    spec = PoolerSpec(task="classify", pooling_type="CLS", width=2, activation="identity")
+    np.testing.assert_allclose(finish_vector(logits, PoolingParams(), spec), logits)
+    spec = PoolerSpec(task="classify", pooling_type="CLS", width=2, activation="sigmoid")
+    np.testing.assert_allclose(finish_vector(logits, PoolingParams(), spec), 1 / (1 + np.exp(-logits)), rtol=1e-6)

@@ -173,6 +173,9 @@ def test_pooling_score_and_rerank(server, reference, folders):
     ("/rerank", {"query": "q", "documents": [], "top_n": 1}, "cross", 400, "documents"),
     ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "cross", 400, "top_n"),
     ("/score", {"queries": [[1, 2]], "documents": ["d"]}, "cross", 400, "queries"),
+    ("/score", {"queries": "q", "documents": ["d"], "truncate_prompt_tokens": 4, "truncation_side": "left"}, "cross",
+     400, "truncation_side"),
+    ("/rerank", {"query": "q", "documents": ["d"] * 1025}, "cross", 400, "max_sequences_per_request"),
 ])
 def test_wrong_routes_and_hostile_bodies(server, path, body, model, status, says):
     if isinstance(body, str):  # raw JSON text

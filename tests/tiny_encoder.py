@@ -67,10 +67,12 @@ def build_tiny_encoder(folder: Path, *, arch: str = "bert", task: str = "embed",
 
 
 def build_sentence_transformer(folder: Path, base: Path, *, pooling: str = "mean", normalize: bool = True,
-                               dense: int | None = None, max_seq_length: int | None = None) -> Path:
+                               dense: int | None = None, max_seq_length: int | None = None,
+                               lowercase: bool = False) -> Path:
     """A sentence-transformers folder (saved by sentence-transformers itself) of the
     model at ``base``: a Pooling module (``pooling``: "mean", "cls", "lasttoken"), then
-    a Dense layer to ``dense`` features (tanh), then Normalize."""
+    a Dense layer to ``dense`` features (tanh), then Normalize; ``lowercase``: its
+    ``do_lower_case``."""
     folder = Path(folder)
     if (folder / "modules.json").exists():
         return folder
@@ -91,4 +93,9 @@ def build_sentence_transformer(folder: Path, base: Path, *, pooling: str = "mean
     if normalize:
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    if lowercase:  # as sentence-transformers before 6 wrote it (and reads it still)
+        import json
+
+        path = folder / "sentence_bert_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "do_lower_case": True}))
     return folder

@@ -23,6 +23,7 @@ from worker.parallel.sharded_runner import ShardedModelRunner
 from worker.pooling import is_encoder
 from worker.protocol import GroupRank
 from worker.runner.backend import Backend
+from worker.runner.model_loader import ModelLoadError
 from worker.runner.model_runner import ModelRunner
 from worker.runner.pooling_runner import PoolingModelRunner, serves_pooling
 
@@ -60,8 +61,11 @@ def build_runner(config: WorkerConfig, group_rank: GroupRank | None = None, stor
     the worker is one rank of a model-parallel group (``config.group_size`` > 1): it
     loads its shard and joins the group's collectives (rank 0 through the rendezvous
     ``store`` it opened); only the leader samples."""
+    if serves_pooling(config):
+        if group_rank is not None:
+            raise ModelLoadError("a pooling model runs in a single-rank worker (tensor_parallel_size and "
+                                 "pipeline_parallel_size 1)")
+        return PoolingModelRunner(config, choose_pooling_backend)
     if group_rank is None:
-        if serves_pooling(config):
-            return PoolingModelRunner(config, choose_pooling_backend)
         return ModelRunner(config, choose_backend)
     return ShardedModelRunner(config, group_rank, store, choose_backend)

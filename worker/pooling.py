@@ -32,7 +32,12 @@ import msgspec
 
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-TASKS = ("embed", "classify")
+#: a classifier's activations (vLLM's ``get_act_fn``): "classify" is softmax over
+#: several labels, sigmoid over one
+ACTIVATIONS = ("classify", "sigmoid", "identity", "tanh")
+#: sentence-transformers' cross-encoder activations (``activation_fn``) -> ours
+ST_CE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Sigmoid": "classify",
+                     "torch.nn.modules.activation.Softmax": "classify", "torch.nn.modules.activation.Tanh": "tanh"}
 
 #: encoder model types served as pooling models (bidirectional attention over the whole
 #: prompt, no KV cache): model_type -> the position of the first token (RoBERTa's count
@@ -65,8 +70,13 @@ class PoolerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: normalised vectors (off for a sentence-transformers folder without a Normalize
     #: module); classify, the activation (softmax over several labels, sigmoid over one)
     use_activation: bool = True
+    #: classify: the activation ``use_activation`` turns on (``ACTIVATIONS``: from the
+    #: config's ``problem_type`` or its sentence-transformers ``activation_fn``)
+    activation: str = "classify"
     #: classify: the labels in order (``id2label``)
     labels: list[str] = []
+    #: a sentence-transformers folder's ``do_lower_case``: text is lowercased first
+    lowercase: bool = False
     #: an encoder: the whole prompt runs in one step with bidirectional attention and
     #: keeps no KV cache (a decoder pools over chunked prefill like any prompt)
     bidirectional: bool = False
@@ -143,10 +153,11 @@ def uses_pooling(runner: str, hf_config: Any) -> bool:
     check_runner(runner)
     task = pooling_task(hf_config)
     if runner == "generate":
-        if is_encoder(hf_config) or task == "classify":
+        if task is not None:
             raise PoolingModelError(
-                f"runner 'generate': {architecture(hf_config) or hf_config.model_type} is not a generative model "
-                "(serve it with runner 'pooling' or 'auto': embeddings, scores, classification)")
+                f"runner 'generate': {architecture(hf_config) or getattr(hf_config, 'model_type', '?')} is not a "
+                "generative model (no language-model head; serve it with runner 'pooling' or 'auto': embeddings, "
+                "scores, classification)")
         return False
     return runner == "pooling" or task is not None
 
@@ -207,16 +218,44 @@ def dense_layers(folder: str) -> list[dict[str, Any]]:
     return out
 
 
-def max_seq_length(folder: str) -> int | None:
-    """A sentence-transformers folder's ``max_seq_length`` (its Transformer module's
-    ``sentence_bert_config.json``), which caps ``max_model_len``; None: not set."""
+def transformer_config(folder: str) -> dict[str, Any]:
+    """A sentence-transformers folder's Transformer module config
+    (``sentence_bert_config.json``: ``max_seq_length``, ``do_lower_case``); {}: none."""
     for m in sentence_transformers_modules(folder):
         if module_kind(m) == "Transformer":
             path = os.path.join(folder, m.get("path", ""), "sentence_bert_config.json")
             if os.path.isfile(path):
-                value = _module_config(folder, m, "sentence_bert_config.json").get("max_seq_length")
-                return int(value) if isinstance(value, int) and value > 0 else None
-    return None
+                return _module_config(folder, m, "sentence_bert_config.json")
+    return {}
+
+
+def max_seq_length(folder: str) -> int | None:
+    """A sentence-transformers folder's ``max_seq_length``, which caps
+    ``max_model_len``; None: not set."""
+    value = transformer_config(folder).get("max_seq_length")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def classifier_activation(hf_config: Any) -> str:
+    """A classifier's activation as vLLM resolves it: the config's ``problem_type``
+    (regression: none; multi-label: sigmoid), else a sentence-transformers cross-encoder's
+    ``activation_fn`` (``torch.nn.modules`` only), else softmax / sigmoid by its labels."""
+    problem = getattr(hf_config, "problem_type", None) or ""
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem == "single_label_classification":
+        return "classify"
+    st = getattr(hf_config, "sentence_transformers", None)
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if name is None:
+        return "classify"
+    if name not in ST_CE_ACTIVATIONS:
+        raise PoolingModelError(f"the cross-encoder's activation_fn {name!r} is not supported (raydecode runs "
+                                f"{sorted(ST_CE_ACTIVATIONS)})")
+    return ST_CE_ACTIVATIONS[name]
 
 
 def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | None = None,
@@ -230,10 +269,10 @@ def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | Non
     cfg = getattr(hf_config, "text_config", None) or hf_config
     width = int(hidden_size or cfg.hidden_size)
     kind = "CLS" if encoder else "LAST"
-    activation = True
+    use_activation = True
     modules = sentence_transformers_modules(folder) if task == "embed" else []
     if modules:
-        activation = any(module_kind(m) == "Normalize" for m in modules)
+        use_activation = any(module_kind(m) == "Normalize" for m in modules)
         for m in modules:
             if module_kind(m) == "Pooling":
                 kind = _st_pooling_mode(folder, m)
@@ -241,7 +280,9 @@ def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | Non
         if dense:
             width = int(dense[-1]["out_features"])
     labels: list[str] = []
+    activation = "classify"
     if task == "classify":
+        activation = classifier_activation(hf_config)
         num = int(getattr(hf_config, "num_labels", 0) or 0)
         id2label = getattr(hf_config, "id2label", None) or {}
         labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num)]
@@ -252,11 +293,15 @@ def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | Non
                 "(encoder cross-encoders and classifiers are; a decoder embeds with runner 'pooling')")
     if options.get("pooling_type"):
         kind = options["pooling_type"].upper()
+        if task == "classify" and kind != "CLS":
+            raise PoolingModelError(f"pooler_config.pooling_type {kind!r}: an encoder's classification head reads "
+                                    "the first token (CLS)")
     if options.get("use_activation") is not None:
-        activation = options["use_activation"]
+        use_activation = options["use_activation"]
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     return PoolerSpec(
-        task=task, pooling_type=kind, width=width, use_activation=activation,
+        task=task, pooling_type=kind, width=width, use_activation=use_activation, activation=activation,
+        lowercase=bool(transformer_config(folder).get("do_lower_case")) if modules else False,
         labels=labels, bidirectional=encoder, is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False)),
         matryoshka_dimensions=[int(d) for d in dims] if isinstance(dims, (list, tuple)) else None,
     )

@@ -175,6 +175,9 @@ class ScoreFields(PoolingFields):
 
     def unsupported(self) -> Iterator[RequestError]:
         yield from super().unsupported()
+        if self.truncation_side is not None:
+            yield not_supported("truncation_side", "not supported for pairs yet (truncate_prompt_tokens cuts the "
+                                                   "pair as the tokenizer truncates it)")
         if self.max_tokens_per_query or self.max_tokens_per_doc:
             yield not_supported("max_tokens_per_query", "per-side token limits are not supported yet "
                                                         "(truncate_prompt_tokens applies to the pair)")

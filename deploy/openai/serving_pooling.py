@@ -20,6 +20,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.input_processor import TRUNCATED_TEXT_SLACK
 from cluster.pooling import PoolingParams, PoolingRequestOutput, cosine
 from deploy.openai.errors import APIError, RequestError, bad_request
 from deploy.openai.pooling_protocol import (
@@ -145,6 +146,7 @@ class PoolingServing:
             self._pooling_model("/score", "score")
             body.check_supported()
             left, right = body.sides()
+            self._check_count(len(left))
             scores, outs = await self._scores(body, left, right)
             return {"id": new_id("score", body.request_id or request_id), "object": "list",
                     "created": int(time.time()), "model": self.model_name, "usage": usage(outs),
@@ -157,6 +159,7 @@ class PoolingServing:
             self._pooling_model("/rerank", "score")
             body.check_supported()
             docs = body.document_list()
+            self._check_count(len(docs))
             scores, outs = await self._scores(body, [body.query] * len(docs), docs)
             order = sorted(range(len(docs)), key=lambda i: -scores[i])
             if body.top_n:
@@ -175,6 +178,7 @@ class PoolingServing:
         """Every input of ``body`` checked and tokenized, then run together."""
         body.check_supported()
         prompts = body.prompts()
+        self._check_count(len(prompts))  # before any templating or tokenizing
         chat = body.messages is not None
         shaped = []
         for prompt in prompts:
@@ -198,7 +202,13 @@ class PoolingServing:
         (vLLM slices the tokens when a side is given; else the tokenizer truncates and
         keeps the closing special token)."""
         if isinstance(prompt, str):
-            self.llm.engine.prompt_budget.check_chars("input", len(prompt))
+            budget = self.llm.engine.prompt_budget
+            limit = budget.max_chars * (TRUNCATED_TEXT_SLACK if body.truncate_prompt_tokens is not None else 1)
+            if len(prompt) > limit:
+                raise RequestError(f"input is too long: {len(prompt)} characters is more than this server's "
+                                   f"{limit} for a prompt", "input")
+            if self.pooler.lowercase:
+                prompt = prompt.lower()
             ids = list(self.llm.tokenizer.encode(prompt, add_special_tokens=body.special_tokens(chat=False)))
             if not ids:
                 raise RequestError("input: the text is empty and the model adds no special tokens to it", "input")
@@ -221,10 +231,7 @@ class PoolingServing:
                    body: PoolingFields) -> list[PoolingRequestOutput]:
         """(prompt, pair) each made a request (all checked before any is queued), run
         together; their outputs in order."""
-        limit = self.llm.engine.config.max_sequences_per_request
-        if len(prompts) > limit:
-            raise RequestError(f"{len(prompts)} inputs is more than the server's max_sequences_per_request={limit}",
-                               "input")
+        self._check_count(len(prompts))
         rid = new_id("pool")
         requests = []
         for i, (prompt, pair) in enumerate(prompts):
@@ -234,8 +241,17 @@ class PoolingServing:
             except ValueError as exc:
                 where = f"input {i}: " if len(prompts) > 1 else ""
                 raise RequestError(f"{where}{exc}", getattr(exc, "param", None) or "input") from None
-        outs = await asyncio.gather(*(self._pooled(r) for r in requests))
-        return list(outs)
+        tasks = [asyncio.ensure_future(self._pooled(r)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed: the others stop too (a cancelled stream aborts its request)
+            for task in tasks:
+                task.cancel()
+
+    def _check_count(self, count: int) -> None:
+        limit = self.llm.engine.config.max_sequences_per_request
+        if count > limit:
+            raise RequestError(f"{count} inputs is more than the server's max_sequences_per_request={limit}", "input")
 
     async def _pooled(self, request: Any) -> PoolingRequestOutput:
         out = None

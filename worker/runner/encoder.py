@@ -99,7 +99,7 @@ def register_packed_attention() -> None:
 class EncoderModel:
     """A loaded encoder: its base model, the task's head, and the packed forward."""
 
-    def __init__(self, model: nn.Module, task: str, folder: str) -> None:
+    def __init__(self, model: nn.Module, task: str) -> None:
         self.model = model
         self.config = model.config
         self.task = task
@@ -112,7 +112,6 @@ class EncoderModel:
         first = ENCODER_TYPES[kind]
         self.first_position = first if first is not None else int(self.config.pad_token_id) + 1
         self.type_vocab_size = int(getattr(self.config, "type_vocab_size", 1) or 1)
-        self.dense = load_dense_layers(folder, model.dtype) if task == "embed" else []
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -128,18 +127,14 @@ class EncoderModel:
                             token_type_ids=token_type_ids.unsqueeze(0))
         return out.last_hidden_state[0]
 
-    def head(self, pooled: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` pooled states -> what requests get: an embedder's vectors
-        through a sentence-transformers folder's Dense layers, a classifier's logits
-        (BERT: its pooler and classifier; RoBERTa: its classification head)."""
-        if self.task == "embed":
-            for linear, activation in self.dense:
-                pooled = activation(linear(pooled))
-            return pooled
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        """A classifier's logits of its prompts' first-token states ``[N, hidden]``
+        (BERT: its pooler and classifier; RoBERTa: its classification head, which takes
+        the first token itself)."""
         model = self.model
         if getattr(self.base, "pooler", None) is not None:  # BERT: dense + tanh over the first token
-            return model.classifier(self.base.pooler(pooled.unsqueeze(1)))
-        return model.classifier(pooled.unsqueeze(1))  # RoBERTa: the head takes the first token itself
+            return model.classifier(self.base.pooler(first.unsqueeze(1)))
+        return model.classifier(first.unsqueeze(1))
 
 
 def fuse_qkv(model: nn.Module) -> int:
@@ -175,10 +170,10 @@ def fused_self_attention(self: nn.Module, hidden_states: torch.Tensor, attention
     return out.reshape(*hidden_states.shape[:-1], -1), None
 
 
-def load_encoder(path: str, task: str, dtype: torch.dtype, kwargs: dict[str, Any], fuse: bool = True) -> nn.Module:
+def load_encoder(path: str, task: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> nn.Module:
     """transformers' base model (embed) or sequence-classification model (classify)
-    from ``path``, attending through ``packed_attention`` (``fuse``: its projections
-    stacked, ``fuse_qkv``)."""
+    from ``path``, attending through ``packed_attention``, its projections stacked
+    (``fuse_qkv``)."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     register_packed_attention()
@@ -187,12 +182,11 @@ def load_encoder(path: str, task: str, dtype: torch.dtype, kwargs: dict[str, Any
         model = cls.from_pretrained(path, dtype=dtype, attn_implementation=PACKED_ATTENTION, **kwargs).eval()
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise PoolingModelError(f"cannot load {path} as an encoder ({task}): {exc}") from None
-    if fuse:
-        fuse_qkv(model)
+    fuse_qkv(model)
     return model
 
 
-def load_dense_layers(folder: str, dtype: torch.dtype) -> list[tuple[nn.Linear, nn.Module]]:
+def load_dense_layers(folder: str, dtype: torch.dtype, device: torch.device) -> list[tuple[nn.Linear, nn.Module]]:
     """A sentence-transformers folder's Dense modules as (linear, activation) pairs."""
     out = []
     for cfg in dense_layers(folder):
@@ -203,7 +197,7 @@ def load_dense_layers(folder: str, dtype: torch.dtype) -> list[tuple[nn.Linear, 
         except RuntimeError as exc:
             raise PoolingModelError(f"{cfg['folder']}: the Dense module's weights do not fit its config: {exc}") from None
         act = nn.Tanh() if cfg["activation_function"].endswith("Tanh") else nn.Identity()
-        out.append((linear.to(dtype).eval(), act))
+        out.append((linear.to(device=device, dtype=dtype).eval(), act))
     return out
 
 

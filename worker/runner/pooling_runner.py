@@ -38,7 +38,14 @@ from worker.runner.attention_plan import AttentionPlan, PagedKernel, concat_rang
 from worker.runner.backend import ChooseBackend, forward_hidden, reference_backend
 from worker.runner.encoder import EncoderModel, PackedSpans, load_dense_layers, load_encoder
 from worker.runner.kv_pool import PagedKVCache
-from worker.runner.model_loader import LoadedModel, ModelLoadError, load_config, load_tokenizer
+from worker.runner.model_loader import (
+    LoadedModel,
+    ModelLoadError,
+    choose_device,
+    choose_dtype,
+    load_config,
+    load_tokenizer,
+)
 from worker.runner.model_runner import ModelRunner
 
 NONFINITE_POOLED = "the model's pooled output became NaN or infinite for this prompt"
@@ -61,7 +68,9 @@ class PoolingModelRunner(ModelRunner):
         #: per request: an encoder prompt's token types (absent: all 0)
         self.token_types: dict[str, np.ndarray] = {}
         self.encoder: EncoderModel | None = None
+        #: a sentence-transformers folder's Dense layers, after the pooling (an embedder's)
         self.dense: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        self._added: list = []  # the step's added requests, checked (``_before_step``)
         super().__init__(config, choose_backend)
 
     # -- loading ----------------------------------------------------------------------
@@ -80,34 +89,26 @@ class PoolingModelRunner(ModelRunner):
         if not self.pooler.bidirectional:
             loaded = super()._load_model(msgspec.structs.replace(config, max_model_len=limit))
             try:
-                self.dense = load_dense_layers(path, loaded.dtype) if self.pooler.task == "embed" else []
+                self.dense = load_dense_layers(path, loaded.dtype, loaded.device) if self.pooler.task == "embed" else []
             except PoolingModelError as exc:
                 raise ModelLoadError(f"{name}: {exc}") from None
             return loaded
         if config.quantization not in (None, "none"):
             raise ModelLoadError(f"{name}: quantization {config.quantization!r} is not supported for encoders yet "
                                  "(they run in float)")
-        dtype = self._dtype(config)
+        device = choose_device(config.device)
+        dtype = choose_dtype(device, config.dtype)
         try:
             model = load_encoder(path, self.pooler.task, dtype, kwargs)
-            self.encoder = EncoderModel(model, self.pooler.task, path)
+            self.encoder = EncoderModel(model, self.pooler.task)
+            self.dense = load_dense_layers(path, dtype, device) if self.pooler.task == "embed" else []
         except PoolingModelError as exc:
             raise ModelLoadError(f"{name}: {exc}") from None
-        device = torch.device(config.device) if config.device else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
         model.to(device)
-        for linear, _ in self.encoder.dense:
-            linear.to(device)
         tokenizer, _ = load_tokenizer(config.model, config.trust_remote_code)
         sep = getattr(tokenizer, "sep_token_id", None)
         return LoadedModel(model, tokenizer, name, device, dtype, int(hf_config.vocab_size),
                            [sep] if sep is not None else [], limit)
-
-    @staticmethod
-    def _dtype(config: WorkerConfig) -> torch.dtype:
-        from worker.runner.model_loader import choose_device, choose_dtype
-
-        return choose_dtype(choose_device(config.device), config.dtype)
 
     def _length_limit(self, config: WorkerConfig, path: str, hf_config: Any, name: str) -> int:
         """``max_model_len``: as set, else the model's positions (an encoder's less its
@@ -155,23 +156,37 @@ class PoolingModelRunner(ModelRunner):
     # -- one step ---------------------------------------------------------------------
 
     def _before_step(self, step: StepRequest) -> None:
-        """Checks and keeps added requests' token types (before the batch changes)."""
+        """Checks the added requests (before the batch changes): a pooling row arrives
+        with its prompt only, whole unless it pools its last token alone (a prefix-cache
+        hit), and with one valid token type per prompt token; their token types are
+        kept once the batch took the step (``_run``)."""
         type_vocab = self.encoder.type_vocab_size if self.encoder is not None else 1
         for i, a in enumerate(step.added):
+            where = f"added[{i}] (request {a.request_id!r})"
+            if len(a.output_token_ids):
+                raise ProtocolError(f"{where}: a pooling request has no output tokens")
+            if a.num_computed_tokens and self.pooler.pooling_type != "LAST":
+                raise ProtocolError(f"{where}: {self.pooler.pooling_type} pooling reads every prompt token, so it "
+                                    "cannot start from cached ones (num_computed_tokens must be 0)")
             if a.token_type_ids is None:
                 continue
             types = a.token_type_ids.numpy()
             if len(types) != len(a.prompt_token_ids) or (len(types) and (types.min() < 0 or types.max() >= type_vocab)):
-                raise ProtocolError(f"added[{i}] (request {a.request_id!r}): token_type_ids must hold one type in "
-                                    f"[0, {type_vocab}) per prompt token")
-        for a in step.added:
+                raise ProtocolError(f"{where}: token_type_ids must hold one type in [0, {type_vocab}) per prompt token")
+        self._added = list(step.added)
+
+    def _take_added(self) -> None:
+        """The step's added requests start afresh: no partial pooling, their own types."""
+        for a in self._added:
             self.partial.pop(a.request_id, None)
             self.token_types.pop(a.request_id, None)
             if a.token_type_ids is not None:
                 self.token_types[a.request_id] = a.token_type_ids.numpy().astype(np.int64)
+        self._added = []
 
     def _run(self, step_id: int, scheduled: np.ndarray, t0: float) -> StepReply:
         batch = self.batch
+        self._take_added()
         self._forget_departed()
         rows = np.flatnonzero(scheduled)
         if len(rows) == 0:
@@ -265,9 +280,9 @@ class PoolingModelRunner(ModelRunner):
             where = {int(i): j for j, i in enumerate(first.tolist())}
             pooled = torch.stack([hidden[where[i]] if i in where else self.partial[ids[i]]
                                   for i in np.flatnonzero(ends).tolist()]) if ends.any() else hidden[:0]
-        else:  # MEAN: per row, the sum of its chunks' states over its prompt's length
+        else:  # MEAN: per row, the sum of its chunks' states (in float32) over its prompt's length
             segment = torch.from_numpy(np.repeat(np.arange(len(rows)), count)).to(hidden.device)
-            sums = hidden.new_zeros(len(rows), hidden.shape[1]).index_add_(0, segment, hidden)
+            sums = hidden.new_zeros(len(rows), hidden.shape[1], dtype=torch.float32).index_add_(0, segment, hidden.float())
             for i, rid in enumerate(ids):
                 before = self.partial.get(rid)
                 if before is not None:
@@ -275,13 +290,15 @@ class PoolingModelRunner(ModelRunner):
                 if not ends[i]:
                     self.partial[rid] = sums[i].clone()
             total = torch.from_numpy((computed + count)[ends].astype(np.float32)).to(hidden.device)
-            pooled = sums[torch.from_numpy(np.flatnonzero(ends)).to(hidden.device)] / total.unsqueeze(1)
+            pooled = (sums[torch.from_numpy(np.flatnonzero(ends)).to(hidden.device)] / total.unsqueeze(1)).to(hidden.dtype)
         done = rows[ends]
         return done, self._head(pooled) if len(done) else pooled
 
     def _head(self, pooled: torch.Tensor) -> torch.Tensor:
-        if self.encoder is not None:
-            return self.encoder.head(pooled)
+        """Pooled states -> what requests get: a classifier's logits, or an embedder's
+        vectors through its folder's Dense layers."""
+        if self.encoder is not None and self.pooler.task == "classify":
+            return self.encoder.classify(pooled)
         for linear, activation in self.dense:
             pooled = activation(linear(pooled))
         return pooled
@@ -290,6 +307,7 @@ class PoolingModelRunner(ModelRunner):
         super().reset()
         self.partial.clear()
         self.token_types.clear()
+        self._added = []
 
     def memory(self) -> dict[str, int]:
         report = super().memory()
