@@ -280,3 +280,16 @@ def stream_completion_text(url: str, body: dict, began: Any = None) -> tuple[str
     except httpx.HTTPError as exc:
         return "".join(parts), f"{type(exc).__name__}: {exc}"
     return "".join(parts), None if done else f"no [DONE] after {len(parts)} chunks"
+
+
+def add_call_deltas(calls: dict[int, list[str]], deltas: Any) -> None:
+    """A tool parser's call deltas into ``calls`` (index -> [name, arguments]), as a
+    client reassembles them, checking the stream's shape: a call's first delta names it
+    (and only it does), with no arguments yet; later ones add arguments."""
+    for d in deltas:
+        if d.id is not None:
+            assert d.index == len(calls) and d.name and d.arguments == ""
+            calls[d.index] = [d.name, ""]
+        else:
+            assert d.name is None and d.index in calls and d.arguments
+            calls[d.index][1] += d.arguments

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from deploy.openai.tool_parser_names import TOOL_PARSERS
 from deploy.openai.trailing_call_parsers import MistralToolParser
 from deploy.openai.xml_call_parser import coerce, schema_types
+from helpers import add_call_deltas
 from hypothesis_budget import examples
 
 CASES = json.loads((Path(__file__).parent / "data" / "tool_parsers_vllm_cases.json").read_text())["cases"]
@@ -49,13 +50,7 @@ def streamed(name: str, pieces: list[str], schemas: dict, **kw) -> tuple[str, li
     for piece in [*pieces, None]:
         more, deltas = parser.feed(piece) if piece is not None else parser.finish()
         content += more
-        for d in deltas:
-            if d.id is not None:
-                assert d.index == len(calls) and d.name and d.arguments == ""
-                calls[d.index] = [d.name, ""]
-            else:
-                assert d.name is None and d.index in calls and d.arguments
-                calls[d.index][1] += d.arguments
+        add_call_deltas(calls, deltas)
     return content, [calls[i] for i in sorted(calls)]
 
 

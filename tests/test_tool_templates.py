@@ -38,6 +38,7 @@ from cluster.inputs import render_chat_text
 from cluster.reasoning_parsers import REASONING_PARSERS
 from deploy.openai.protocol import ChatCompletionRequest
 from deploy.openai.tool_parser_names import TOOL_PARSERS
+from helpers import add_call_deltas
 from worker.cache import cache_dir
 
 #: llama.cpp's source package on PyPI (the sdist holds llama.cpp's tree, models/templates/ in it)
@@ -277,13 +278,7 @@ def read(family: Family, pieces: list[str], schemas: dict = SCHEMAS, single: boo
         nonlocal content
         more, deltas = emitted
         content += more
-        for d in deltas:
-            if d.id is not None:
-                assert d.index == len(calls) and d.name and d.arguments == ""
-                calls[d.index] = [d.name, ""]
-            else:
-                assert d.name is None and d.index in calls and d.arguments
-                calls[d.index][1] += d.arguments
+        add_call_deltas(calls, deltas)
 
     for piece in pieces:
         thought, answer = split.feed(piece) if split else ("", piece)
