@@ -161,9 +161,7 @@ class Request:
         data = None
         if self.pooled is not None and self.error is None:
             data = PoolingOutput(torch.from_numpy(finish_vector(self.pooled, self.pooling, self.pooler)))
-        error = self.error if data is None and self.error is not None else None
-        if data is None and error is None:
-            error = "aborted"
+        error = None if data is not None else self.error or "aborted"
         return PoolingRequestOutput(
             request_id=self.request_id, outputs=data, prompt_token_ids=self.prompt_token_ids, finished=True,
             error=error, num_cached_tokens=max(s.num_cached_tokens or 0 for s in self.sequences), prompt=self.prompt,

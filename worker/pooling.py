@@ -128,6 +128,13 @@ def is_encoder(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", None) in ENCODER_TYPES
 
 
+def first_position(hf_config: Any) -> int:
+    """An encoder's first position id (``ENCODER_TYPES``): 0 for BERT, RoBERTa's
+    padding index + 1."""
+    first = ENCODER_TYPES[hf_config.model_type]
+    return first if first is not None else int(hf_config.pad_token_id) + 1
+
+
 def is_base_model(hf_config: Any) -> bool:
     """Its architecture is its family's base model (``Qwen2Model``, not a model with a
     head: ``GPT2LMHeadModel`` ends in ``Model`` too), by transformers' own table."""
@@ -258,8 +265,7 @@ def classifier_activation(hf_config: Any) -> str:
     return ST_CE_ACTIVATIONS[name]
 
 
-def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | None = None,
-                hidden_size: int | None = None) -> PoolerSpec:
+def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | None = None) -> PoolerSpec:
     """What the model at ``folder`` pools (its config, its sentence-transformers files,
     then ``pooler_config`` on top)."""
     options = dict(pooler_config or {})
@@ -267,7 +273,7 @@ def pooler_spec(folder: str, hf_config: Any, pooler_config: dict[str, Any] | Non
     task = pooling_task(hf_config) or "embed"
     encoder = is_encoder(hf_config)
     cfg = getattr(hf_config, "text_config", None) or hf_config
-    width = int(hidden_size or cfg.hidden_size)
+    width = int(cfg.hidden_size)
     kind = "CLS" if encoder else "LAST"
     use_activation = True
     modules = sentence_transformers_modules(folder) if task == "embed" else []

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.pooling import ENCODER_TYPES, PoolingModelError, dense_layers
+from worker.pooling import ENCODER_TYPES, PoolingModelError, dense_layers, first_position
 
 PACKED_ATTENTION = "raydecode_packed"
 #: spans up to this long attend by two matmuls and a softmax (faster than SDPA's CPU
@@ -108,9 +108,7 @@ class EncoderModel:
             raise PoolingModelError(f"model_type {kind!r} is not an encoder raydecode serves "
                                     f"(it serves {sorted(ENCODER_TYPES)})")
         self.base = getattr(model, model.base_model_prefix) if task == "classify" else model
-        #: the first position id: 0 for BERT, RoBERTa's padding index + 1
-        first = ENCODER_TYPES[kind]
-        self.first_position = first if first is not None else int(self.config.pad_token_id) + 1
+        self.first_position = first_position(self.config)
         self.type_vocab_size = int(getattr(self.config, "type_vocab_size", 1) or 1)
 
     @property

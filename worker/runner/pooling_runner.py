@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from worker.config import WorkerConfig, check_pooling_options
-from worker.pooling import PoolingModelError, max_seq_length, pooler_spec, uses_pooling
+from worker.pooling import PoolingModelError, first_position, max_seq_length, pooler_spec, uses_pooling
 from worker.protocol import (
     PROTOCOL_VERSION,
     Float32Array,
@@ -85,7 +85,7 @@ class PoolingModelRunner(ModelRunner):
             self.pooler = pooler_spec(path, hf_config, config.pooler_config)
         except PoolingModelError as exc:
             raise ModelLoadError(f"{name}: {exc}") from None
-        limit = self._length_limit(config, path, hf_config, name)
+        limit = self._length_limit(config, path, hf_config)
         if not self.pooler.bidirectional:
             loaded = super()._load_model(msgspec.structs.replace(config, max_model_len=limit))
             try:
@@ -110,13 +110,13 @@ class PoolingModelRunner(ModelRunner):
         return LoadedModel(model, tokenizer, name, device, dtype, int(hf_config.vocab_size),
                            [sep] if sep is not None else [], limit)
 
-    def _length_limit(self, config: WorkerConfig, path: str, hf_config: Any, name: str) -> int:
+    def _length_limit(self, config: WorkerConfig, path: str, hf_config: Any) -> int:
         """``max_model_len``: as set, else the model's positions (an encoder's less its
         first position id), at most a sentence-transformers folder's ``max_seq_length``."""
         cfg = getattr(hf_config, "text_config", None) or hf_config
         positions = int(getattr(cfg, "max_position_embeddings", None) or 2048)
-        if self.pooler.bidirectional and getattr(cfg, "model_type", None) in ("roberta", "xlm-roberta"):
-            positions -= int(cfg.pad_token_id) + 1
+        if self.pooler.bidirectional:  # (position ids start past RoBERTa's padding index)
+            positions -= first_position(cfg)
         if config.max_model_len is not None:
             if config.max_model_len > positions:
                 raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's {positions} positions")
