@@ -14,9 +14,15 @@
   as an ``Outcome``: its text and finish reason, or exactly what went wrong (an HTTP
   status, an error event in the stream, a stream cut without ``[DONE]``, a dropped
   connection, a timeout).
-- ``tally``: answers against an undisturbed run's texts: lost (no whole 200 answer),
+- ``tally``: answers against an undisturbed run's: lost (no whole 200 answer),
   duplicated (an answer for another request id, two finishes or two ``[DONE]``s in one
-  stream, the same response id twice) and wrong (another text).
+  stream, the same response id twice) and wrong (other tokens or text). Every request
+  asks for its token ids and top-2 logprobs, so a difference is placed at its first
+  token: a float32 near-tie there (the two greedy choices within ``NEAR_TIE`` of each
+  other, or a seeded draw landing on the neighbouring vocabulary id, where a last-bit
+  change in the logits moves the boundary of the inverse CDF) is a rounding difference
+  between batch shapes (the rows' matmuls are blocked by the batch), counted apart and
+  bounded; anything else is wrong.
 - ``engine_successes`` (``/metrics``), ``health``, ``wait_recovered``, ``proc_figures``
   (RSS, threads, open files of a PID), ``replica_request_ids`` (a replica's access log).
 - Faults (``kill_worker``, ``remove_worker_node``) and ``soak``: closed-loop load for a
@@ -43,6 +49,8 @@ import psutil
 from helpers import TEMPLATE, free_port
 
 MODEL = "tiny"
+#: Two greedy candidates within this many nats of each other are a float32 near-tie.
+NEAR_TIE = 1e-3
 #: Ray notices a lost node in about a second rather than the default ~15 s.
 NODE_HEALTH = {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
 #: the words of the tiny model's tokenizer corpus (tests/tiny_model.py), so prompts
@@ -217,10 +225,13 @@ class Spec:
                                 "ignore_eos": self.ignore_eos, "stream": self.stream}
         if self.seed is not None:
             body["seed"] = self.seed
+        # token ids and each position's top 2 (``token_id:N`` keys): a difference from
+        # the undisturbed answer is placed at a token and told from a near-tie
+        body.update(return_token_ids=True, return_tokens_as_token_ids=True)
         if self.chat:
-            body["messages"] = [{"role": "user", "content": self.prompt}]
+            body.update(messages=[{"role": "user", "content": self.prompt}], logprobs=True, top_logprobs=2)
         else:
-            body["prompt"] = self.prompt
+            body.update(prompt=self.prompt, logprobs=2)
         return body
 
 
@@ -257,6 +268,8 @@ class Outcome:
     finishes: int = 0  # stream chunks with a finish_reason
     dones: int = 0  # "data: [DONE]" lines
     chunks: int = 0  # stream chunks carrying text
+    token_ids: list[int] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)  # per token: top-2 id -> logprob
     #: None for a whole answer; else how it ended: "http <status>", "stream error
     #: event", "stream cut (no [DONE])", "connection dropped", "timeout"
     failure: str | None = None
@@ -272,6 +285,22 @@ def _text_of(choice: dict[str, Any], chat: bool, stream: bool) -> str:
         return choice.get("text") or ""
     part = choice.get("delta" if stream else "message") or {}
     return part.get("content") or ""
+
+
+def _token_id(token: str) -> int:
+    assert token.startswith("token_id:"), token
+    return int(token[len("token_id:"):])
+
+
+def _add_tokens(out: Outcome, choice: dict[str, Any], chat: bool) -> None:
+    """The choice's (or delta's) token ids and top-2 logprobs, appended to ``out``."""
+    out.token_ids += choice.get("token_ids") or []
+    logprobs = choice.get("logprobs") or {}
+    if chat:
+        out.top += [{_token_id(t["token"]): t["logprob"] for t in entry["top_logprobs"]}
+                    for entry in logprobs.get("content") or []]
+    else:
+        out.top += [{_token_id(t): lp for t, lp in entry.items()} for entry in logprobs.get("top_logprobs") or []]
 
 
 async def send(client: httpx.AsyncClient, url: str, spec: Spec, request_id: str, timeout_s: float) -> Outcome:
@@ -301,6 +330,7 @@ async def _exchange(client: httpx.AsyncClient, url: str, spec: Spec, out: Outcom
             out.response_ids.append(body.get("id"))
             (choice,) = body["choices"]
             out.text, out.finish_reason = _text_of(choice, spec.chat, False), choice.get("finish_reason")
+            _add_tokens(out, choice, spec.chat)
             out.finishes = 1 if out.finish_reason else 0
             return
         text: list[str] = []
@@ -318,6 +348,7 @@ async def _exchange(client: httpx.AsyncClient, url: str, spec: Spec, out: Outcom
             if event.get("id") not in out.response_ids:
                 out.response_ids.append(event.get("id"))
             for choice in event.get("choices", []):
+                _add_tokens(out, choice, spec.chat)
                 piece = _text_of(choice, spec.chat, True)
                 if piece:
                     text.append(piece)
@@ -421,28 +452,77 @@ def expected_id(out: Outcome) -> str:
 
 @dataclass
 class Tally:
-    """Outcomes against the expected texts (by spec key)."""
+    """Outcomes against the expected answers (by spec key)."""
 
     sent: int
     ok: int
     lost: list[Outcome]  # no whole 200 answer
     duplicated: list[str]  # what was duplicated, in words
-    wrong: list[str]  # a whole answer with another text or finish reason
+    wrong: list[str]  # a whole answer with other tokens, text or finish reason
     failures: Counter  # failure kind -> count
+    near_ties: list[str] = field(default_factory=list)  # answers that took the other side of a near-tie
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.failures.items())) or "none"
         return (f"{self.sent} requests sent, {self.ok} answered whole, {len(self.lost)} lost, "
-                f"{len(self.duplicated)} duplicated, {len(self.wrong)} with another text; failures: {kinds}")
+                f"{len(self.duplicated)} duplicated, {len(self.wrong)} with another text "
+                f"({len(self.near_ties)} more past a float32 near-tie); failures: {kinds}")
 
 
-def tally(outcomes: list[Outcome], expected: dict[str, tuple[str, str | None]], sent: int | None = None) -> Tally:
-    """``expected``: spec key -> (text, finish reason) of an undisturbed run. A request
-    id answered twice, an answer carrying another request's id, a stream with more than
-    one finish or ``[DONE]``, or the same response id in two answers is a duplicate."""
+@dataclass(frozen=True)
+class Answer:
+    """A whole answer as compared: its text, finish reason, token ids and per token the
+    top-2 logprobs."""
+
+    text: str
+    finish_reason: str | None
+    token_ids: tuple[int, ...]
+    top: tuple[dict[int, float], ...]
+
+
+def answer_of(o: Outcome) -> Answer:
+    return Answer(o.text or "", o.finish_reason, tuple(o.token_ids), tuple(o.top))
+
+
+def near_tie(got: Answer, want: Answer, at: int, seeded: bool) -> bool:
+    """Whether the answers' first different token, at ``at``, is a float32 rounding
+    difference: a seeded draw one vocabulary id away (the inverse CDF runs in vocabulary
+    order, so a boundary moved by rounding hands the draw to the neighbour), or two
+    greedy candidates within ``NEAR_TIE`` of each other in both answers' top 2."""
+    g, w = got.token_ids[at], want.token_ids[at]
+    if seeded:
+        return abs(g - w) == 1
+    tops = (got.top[at], want.top[at])
+    return all(g in t and w in t and abs(t[g] - t[w]) < NEAR_TIE for t in tops)
+
+
+def compare(o: Outcome, want: Answer) -> tuple[str, str]:
+    """("same" | "near-tie" | "wrong", why) for answer ``o`` against ``want``."""
+    got = answer_of(o)
+    for a, name in ((got, "this"), (want, "the undisturbed")):
+        if len(a.top) != len(a.token_ids):
+            return "wrong", f"{name} answer has {len(a.token_ids)} token ids but {len(a.top)} logprob entries"
+    if got.token_ids == want.token_ids:
+        if (got.text, got.finish_reason) == (want.text, want.finish_reason):
+            return "same", ""
+        return "wrong", "the same tokens with another text or finish reason"
+    at = next((i for i, (g, w) in enumerate(zip(got.token_ids, want.token_ids)) if g != w), None)
+    if at is None:
+        return "wrong", f"{len(got.token_ids)} tokens where the undisturbed answer has {len(want.token_ids)}"
+    where = f"token {at}: {got.token_ids[at]} for {want.token_ids[at]} (top 2: {got.top[at]} / {want.top[at]})"
+    return ("near-tie" if near_tie(got, want, at, o.spec.seed is not None) else "wrong"), where
+
+
+def tally(outcomes: list[Outcome], expected: dict[str, Answer], sent: int | None = None) -> Tally:
+    """``expected``: spec key -> the undisturbed run's answer. A request id answered
+    twice, an answer carrying another request's id, a stream with more than one finish
+    or ``[DONE]``, or the same response id in two answers is a duplicate. Near-ties are
+    rare (about one draw in a million lands within rounding of a boundary): more than
+    one in 200 answers counts them wrong."""
     lost = [o for o in outcomes if not o.ok]
     duplicated: list[str] = []
     wrong: list[str] = []
+    ties: list[str] = []
     by_request = Counter(o.request_id for o in outcomes)
     duplicated += [f"request {rid} answered {n} times" for rid, n in by_request.items() if n > 1]
     seen_ids: Counter = Counter()
@@ -455,18 +535,26 @@ def tally(outcomes: list[Outcome], expected: dict[str, tuple[str, str | None]], 
         if o.finishes != 1 or (o.spec.stream and o.dones != 1):
             duplicated.append(f"{o.request_id}: {o.finishes} finishes, {o.dones} [DONE]s")
         want = expected.get(o.spec.key)
-        if want is not None and (o.text, o.finish_reason) != want:
-            wrong.append(f"{o.request_id} ({o.spec}): got {o.text!r} ({o.finish_reason}), "
-                         f"undisturbed {want[0]!r} ({want[1]})")
+        if want is None:
+            continue
+        verdict, why = compare(o, want)
+        line = (f"{o.request_id} ({o.spec}): {why}; got {o.text!r} ({o.finish_reason}), "
+                f"undisturbed {want.text!r} ({want.finish_reason})")
+        if verdict == "near-tie":
+            ties.append(line)
+        elif verdict == "wrong":
+            wrong.append(line)
     duplicated += [f"response id {rid} in {n} answers" for rid, n in seen_ids.items() if n > 1]
+    ok = len(outcomes) - len(lost)
+    if len(ties) > max(1, ok // 200):
+        wrong += [f"near-tie {n + 1} of {len(ties)} (too many to be rounding): {t}" for n, t in enumerate(ties)]
     failures = Counter(o.failure for o in lost)
-    return Tally(sent if sent is not None else len(outcomes), len(outcomes) - len(lost), lost, duplicated, wrong,
-                 failures)
+    return Tally(sent if sent is not None else len(outcomes), ok, lost, duplicated, wrong, failures, ties)
 
 
-def texts(outcomes: list[Outcome]) -> dict[str, tuple[str, str | None]]:
-    """Spec key -> (text, finish reason) of every whole answer."""
-    return {o.spec.key: (o.text or "", o.finish_reason) for o in outcomes if o.ok}
+def texts(outcomes: list[Outcome]) -> dict[str, Answer]:
+    """Spec key -> the answer of every whole answer."""
+    return {o.spec.key: answer_of(o) for o in outcomes if o.ok}
 
 
 # -- the server's side --------------------------------------------------------------------
@@ -705,6 +793,7 @@ class SoakReport:
         out = [f"soak: {self.wall_s / 60:.1f} min, {s.concurrency} clients, a fault every {s.fault_every_s:.0f} s "
                f"({', '.join(s.faults)} in turn), warm-up {s.warmup_s:.0f} s",
                f"requests: {t.summary()}; the engine finished {self.engine_finished}",
+               *(f"  past a near-tie: {line}" for line in t.near_ties),
                f"faults injected: {len(self.faults)} ({', '.join(f'{k}: {v}' for k, v in Counter(f.kind for f in self.faults).items()) or 'none'})"]
         for f in self.faults:
             green = f"green again after {f.green_after_s:.1f} s" if f.green_after_s is not None else "never green"
@@ -734,7 +823,7 @@ def sample(cl: ChaosCluster, at_s: float, label: str) -> Sample:
     return Sample(at_s, label, proc_figures(replica.pid), [proc_figures(w.pid) for w in cl.workers()])
 
 
-def soak(cl: ChaosCluster, url: str, pool: list[Spec], expected: dict[str, tuple[str, str | None]],
+def soak(cl: ChaosCluster, url: str, pool: list[Spec], expected: dict[str, Answer],
          s: SoakSettings, log: Callable[[str], None] = print) -> SoakReport:
     """Closed-loop load over ``pool`` (each request a fresh id) for ``s.duration_s``;
     after ``s.warmup_s`` the first sample (new requests held back meanwhile), then a

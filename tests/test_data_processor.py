@@ -297,3 +297,46 @@ def test_an_embedding_processor_writes_sentence_transformers_vectors(ray_local, 
         if r["id"] % 4 == 0:  # use_activation off: the mean, not normalised
             v = v / np.linalg.norm(v)
         np.testing.assert_allclose(v, ref[r["id"]], atol=1e-5)
+
+
+def test_a_rows_model_names_its_adapter_under_dynamic_lora_loading_path(ray_local, chat_model, tmp_path):
+    """Ray Data LLM's ``dynamic_lora_loading_path``: a row whose ``model`` is not the
+    base model runs the adapter in ``<path>/<model>``; rows of the base model and of two
+    adapters mixed in the replica's batches each give transformers + PEFT's greedy
+    tokens; a row naming a folder that is not there fails alone, naming it."""
+    from helpers import assert_greedy_equal, generate
+    from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
+
+    root = tmp_path / "loras"
+    make_adapter(chat_model, root / "qv", ATTENTION, r=8, alpha=16, seed=31)
+    make_adapter(chat_model, root / "all", ALL_SEVEN, r=4, alpha=8, seed=32)
+    names = {0: None, 1: "qv", 2: "all"}
+
+    def pre(row: dict) -> dict:
+        i = int(row["id"])
+        model = "missing" if i == 7 else names[i % 3] or chat_model
+        return dict(prompt=text_of(i), model=model, sampling_params=dict(temperature=0.0, max_tokens=6, ignore_eos=True))
+
+    processor = build_processor(
+        vLLMEngineProcessorConfig(model_source=chat_model, engine_kwargs={**ENGINE, "max_loras": 2}, concurrency=1,
+                                  batch_size=8, dynamic_lora_loading_path=str(root), should_continue_on_error=True,
+                                  chat_template_stage=False),
+        preprocess=pre,
+        postprocess=lambda row: dict(id=row["id"], tokens=row["generated_tokens"], ids=row["prompt_token_ids"],
+                                     error=row["__inference_error__"]),
+    )
+    rows = {r["id"]: r for r in processor(ray.data.range(24, override_num_blocks=3)).take_all()}
+    assert sorted(rows) == list(range(24))
+    # an error row bypasses postprocess (Ray's rule): it carries the stage's columns
+    assert "missing" in (rows[7].get("__inference_error__") or ""), rows[7]
+    assert all(not r["error"] for i, r in rows.items() if i != 7)
+    base = peft_model(chat_model, None)
+    for adapter in ("qv", "all", None):
+        model = peft_model(chat_model, str(root / adapter)) if adapter else base
+        differ = 0
+        for i in (i for i in rows if i != 7 and names[i % 3] == adapter):
+            ids, ours = list(rows[i]["ids"]), list(rows[i]["tokens"])
+            assert len(ours) == 6
+            assert_greedy_equal(model, ids, ours, generate(model, ids, 6))
+            differ += ours != generate(base, ids, 6)
+        assert adapter is None or differ >= 4, f"{adapter}: only {differ} rows differ from the base model"

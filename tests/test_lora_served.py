@@ -8,6 +8,7 @@ loads are 4xx and the server stays whole."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -90,10 +91,17 @@ def test_each_adapter_is_a_model_and_answers_as_llm_does(server, client, offline
     assert r.choices[0].text == results[(PROMPTS[0], "qv")].text
     chat = client.chat.completions.create(model="qv", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.model == "qv"
-    # vLLM's lora_requests_info: the adapters in use as labels (none now), max_lora
-    info = [line for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
-            if line.startswith("vllm:lora_requests_info{")]
-    assert info and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info
+    # vLLM's lora_requests_info: the adapters in use as labels, max_lora. The ingress
+    # answers /metrics with the engine replicas' latest push to the app's metrics hub
+    # (deploy/metrics.py, every PUSH_INTERVAL_S): "qv" drops from it within a few pushes.
+    def lora_info() -> list[str]:
+        return [line for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+                if line.startswith("vllm:lora_requests_info{")]
+
+    deadline = time.monotonic() + 10
+    while 'running_lora_adapters=""' not in (info := lora_info() or [""])[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info
 
 
 def test_load_use_unload_reload_while_other_streams_run(server, adapters, offline):
