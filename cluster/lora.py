@@ -12,12 +12,12 @@ reads the tensors on first use.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from worker import LoRAAdapter, LoRAAdapterError, check_adapter_name, inspect_adapter
+from worker.lora_fetch import adapter_folder, check_location, location
 
 #: adapters whose check is remembered (by id); past it the oldest is checked again
 #: when next named
@@ -27,7 +27,8 @@ MAX_REMEMBERED = 1024
 @dataclass(frozen=True)
 class LoRARequest:
     """A request's adapter, in vLLM's shape: a unique name, a unique positive integer
-    id, and the PEFT folder it loads from."""
+    id, and the PEFT folder it loads from (a local path, or a URI of remote storage:
+    ``worker/lora_fetch.py``)."""
 
     lora_name: str
     lora_int_id: int
@@ -42,6 +43,7 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an integer from 1 to 2**31 - 1, got {value!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path or "\x00" in self.lora_path:
             raise ValueError(f"lora_path must name the adapter's folder, got {self.lora_path!r}")
+        check_location(self.lora_path)
 
     @property
     def adapter_id(self) -> int:
@@ -76,7 +78,7 @@ class LoRARegistry:
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         if not self.enabled:
             raise ValueError(f"lora_request {request.lora_name!r}: this engine was started without enable_lora")
-        path = os.path.abspath(request.lora_path)
+        path = location(request.lora_path)
         adapter = LoRAAdapter(id=request.lora_int_id, name=request.lora_name, path=path)
         with self._lock:
             known = self._checked.get(adapter.id)
@@ -88,7 +90,7 @@ class LoRARegistry:
                 self._checked.move_to_end(adapter.id)
                 return known
         try:
-            inspect_adapter(path, self.max_lora_rank, self.targets)
+            inspect_adapter(adapter_folder(path, adapter.id), self.max_lora_rank, self.targets)
         except LoRAAdapterError as exc:
             raise ValueError(f"lora_request {request.lora_name!r}: {exc}") from None
         with self._lock:

@@ -52,6 +52,7 @@ from deploy.openai.tools import ApiOptions
 from deploy.timeline import TimelineLog
 from sampler.params import StructuredOutputsParams, check_text
 from worker import inspect_adapter
+from worker.lora_fetch import adapter_folder
 
 logger = logging.getLogger("ray.serve")
 
@@ -405,7 +406,7 @@ class EngineServer(PoolingServing):
         engine = self.llm.engine
         for module in self.args.lora()["modules"]:
             try:
-                inspect_adapter(os.path.abspath(module["path"]), engine.config.max_lora_rank,
+                inspect_adapter(adapter_folder(module["path"], 0), engine.config.max_lora_rank,
                                 engine.input_processor.loras.targets)
             except ValueError as exc:
                 raise ValueError(f"lora_modules {module['name']!r}: {exc}") from None

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from deploy.openai.errors import APIError
 from worker import LoRAAdapterError, check_adapter_name
+from worker.lora_fetch import join, location
 
 #: vLLM's switch for the runtime endpoints (truthy: "1", "true")
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -125,7 +126,7 @@ class AdapterTable:
             raise ValueError(f"The lora adapter '{model}' has already been loaded.")
         load = next(self._loads)
         adapter_id = zlib.crc32(f"{name}\x00{path}\x00{load}\x00{time.time_ns()}".encode()) & 0x7FFFFFFF or 1
-        entry = {"name": name, "model": model, "id": adapter_id, "path": os.path.abspath(path),
+        entry = {"name": name, "model": model, "id": adapter_id, "path": location(path),
                  "engine": self._base(base_model_name), "created": int(time.time())}
         self.adapters[model] = entry
         return entry
@@ -164,7 +165,7 @@ class AdapterTable:
             check_adapter_name(name)
         except LoRAAdapterError as exc:
             raise APIError(400, f"model: {exc}", "BadRequestError", "model") from None
-        return name, os.path.join(folder, name), base
+        return name, join(folder, name), base
 
     def cards(self) -> list[dict[str, Any]]:
         """The adapters' entries in ``/v1/models`` (vLLM's: ``parent`` the base model,

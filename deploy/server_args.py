@@ -13,6 +13,7 @@ from deploy.openai.tool_parser_names import TOOL_PARSERS
 from deploy.openai.tools import DEFAULT_MAX_TOOLS
 from deploy.request_router import check_router_kwargs
 from worker import DEFAULT_MODEL_NAME
+from worker.lora_fetch import check_location
 
 
 class StructuredOutputsConfig(BaseModel):
@@ -143,10 +144,8 @@ class ServerArgs(BaseModel):
                 and not self.engine.get("enable_lora"):
             raise ValueError("lora_modules, allow_runtime_lora_updating and dynamic_lora_loading_path need the "
                              "engine's enable_lora (--enable-lora)")
-        path = self.dynamic_lora_loading_path
-        if path is not None and ("://" in path or not path.strip()):
-            raise ValueError(f"dynamic_lora_loading_path: only a local folder is supported yet (remote storage "
-                             f"is not), got {path!r}")
+        if self.dynamic_lora_loading_path is not None:
+            check_location(self.dynamic_lora_loading_path, "dynamic_lora_loading_path")
         names = [m["name"] for m in self.lora()["modules"]]
         if len(set(names)) != len(names) or self.model_id() in names:
             raise ValueError(f"lora_modules: each adapter needs a name of its own, not the model's ({names})")

@@ -207,7 +207,7 @@ def test_the_config_refuses_what_it_cannot_honour_by_name():
         (dict(prepare_multimodal_stage=True), "prepare_multimodal_stage"),
         (dict(chat_template_stage={"bogus": 1}), "chat_template_stage"),
         (dict(tokenize_stage=3), "tokenize_stage"),
-        (dict(dynamic_lora_loading_path="s3://bucket/adapters"), "dynamic_lora_loading_path"),
+        (dict(dynamic_lora_loading_path="ftp://bucket/adapters"), "dynamic_lora_loading_path: URI scheme 'ftp'"),
         (dict(placement_group_config={"bundles": [{"CPU": 1}]}), "placement_group_config.bundles"),
         (dict(max_concurrent_batches=0), "max_concurrent_batches"),
     ]
@@ -300,7 +300,8 @@ def test_an_embedding_processor_writes_sentence_transformers_vectors(ray_local, 
 
 
 def test_a_rows_model_names_its_adapter_under_dynamic_lora_loading_path(ray_local, chat_model, tmp_path):
-    """Ray Data LLM's ``dynamic_lora_loading_path``: a row whose ``model`` is not the
+    """Ray Data LLM's ``dynamic_lora_loading_path`` (a ``file://`` URI: the remote
+    storage path, each worker copying the adapter): a row whose ``model`` is not the
     base model runs the adapter in ``<path>/<model>``; rows of the base model and of two
     adapters mixed in the replica's batches each give transformers + PEFT's greedy
     tokens; a row naming a folder that is not there fails alone, naming it."""
@@ -319,7 +320,7 @@ def test_a_rows_model_names_its_adapter_under_dynamic_lora_loading_path(ray_loca
 
     processor = build_processor(
         vLLMEngineProcessorConfig(model_source=chat_model, engine_kwargs={**ENGINE, "max_loras": 2}, concurrency=1,
-                                  batch_size=8, dynamic_lora_loading_path=str(root), should_continue_on_error=True,
+                                  batch_size=8, dynamic_lora_loading_path=f"file://{root}", should_continue_on_error=True,
                                   chat_template_stage=False),
         preprocess=pre,
         postprocess=lambda row: dict(id=row["id"], tokens=row["generated_tokens"], ids=row["prompt_token_ids"],

@@ -182,8 +182,8 @@ REFUSED = [
     (llm(engine_kwargs={"tool_call_parser": "nope"}), r"tool_call_parser must be one of"),
     (llm(engine_kwargs=["max_model_len"]), r"engine_kwargs\s+Input should be a valid dictionary"),
     # the LLMConfig's own fields
-    (llm(lora_config={"dynamic_lora_loading_path": "s3://bucket/loras"}),
-     r"dynamic_lora_loading_path: only a local folder is supported by raydecode yet"),
+    (llm(lora_config={"dynamic_lora_loading_path": "ftp://bucket/loras"}),
+     r"dynamic_lora_loading_path: URI scheme 'ftp' is not supported"),
     (llm(lora_config={"dynamic_lora_loading_path": "/loras", "max_num_adapters_per_replica": 0}),
      r"max_num_adapters_per_replica must be at least 1"),
     (llm(lora_config={"dynamic_lora_loading_path": "/loras", "max_loras": 2}), r"lora_config\.max_loras\s+Extra inputs"),

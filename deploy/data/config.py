@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from cluster.config import EngineConfig
 from deploy.serve_llm.engine_kwargs import check_engine_types, map_engine_kwargs
 from deploy.serve_llm.placement import checked_accelerator_type, place_workers
+from worker.lora_fetch import check_location
 
 #: Ray Data LLM's task types; raydecode runs "generate" (the rest need a pooling path)
 TASK_TYPES = ("generate", "embed", "classify", "score", "reward")
@@ -205,10 +206,7 @@ class vLLMEngineProcessorConfig(ProcessorConfig):  # noqa: N801 (Ray's name)
     @field_validator("dynamic_lora_loading_path")
     @classmethod
     def _lora_path(cls, value: str | None) -> str | None:
-        if value is not None and "://" in value:
-            raise ValueError(f"dynamic_lora_loading_path: only a local folder is supported by raydecode yet "
-                             f"(remote storage is not), got {value!r}")
-        return value
+        return value if value is None else check_location(value, "dynamic_lora_loading_path")
 
     @model_validator(mode="after")
     def _mapped(self) -> vLLMEngineProcessorConfig:

@@ -34,6 +34,7 @@ from cluster.pooling import PoolingParams, PoolingRequestOutput
 from deploy.data.config import POOLING_TASK_TYPES, EngineSpec
 from deploy.data.rows import ERROR_COLUMN, batch_rows, drop_none, failed, rows_batch
 from sampler.params import RequestOutputKind, SamplingParams
+from worker.lora_fetch import join
 
 logger = logging.getLogger("ray.data")
 
@@ -156,7 +157,7 @@ class EngineStage:
                              "needs dynamic_lora_loading_path (raydecode loads no adapters from the hub)")
         adapter = self._adapters.get(model)
         if adapter is None:
-            adapter = LoRARequest(model, len(self._adapters) + 1, os.path.join(self.lora_path, model))
+            adapter = LoRARequest(model, len(self._adapters) + 1, join(self.lora_path, model))
             self._adapters[model] = adapter
         return adapter
 

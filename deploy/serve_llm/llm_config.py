@@ -20,6 +20,7 @@ from deploy.serve_llm.deployment_config import DEPLOYMENT_KEYS, check_serve_opti
 from deploy.serve_llm.engine_kwargs import check_engine_types, map_engine_kwargs
 from deploy.serve_llm.placement import checked_accelerator_type, place_workers
 from deploy.server_args import ServerArgs
+from worker.lora_fetch import check_location
 
 logger = logging.getLogger("ray.serve")
 
@@ -31,8 +32,10 @@ class _Strict(BaseModel):
 
 
 class LoraConfig(_Strict):
-    """Ray Serve LLM's ``lora_config``. Adapters load from local folders here (the
-    download settings are accepted; nothing is downloaded)."""
+    """Ray Serve LLM's ``lora_config``. ``dynamic_lora_loading_path`` is a local folder
+    or a URI of remote storage (``worker/lora_fetch.py`` copies an adapter to each node
+    that uses it, three tries per file); the download settings are accepted and not
+    applied."""
 
     dynamic_lora_loading_path: str | None = None
     max_num_adapters_per_replica: int = 16
@@ -43,9 +46,8 @@ class LoraConfig(_Strict):
     def _positive(self) -> LoraConfig:
         if self.max_num_adapters_per_replica < 1:
             raise ValueError(f"max_num_adapters_per_replica must be at least 1, got {self.max_num_adapters_per_replica}")
-        if self.dynamic_lora_loading_path is not None and "://" in self.dynamic_lora_loading_path:
-            raise ValueError(f"dynamic_lora_loading_path: only a local folder is supported by raydecode yet (remote "
-                             f"storage is not), got {self.dynamic_lora_loading_path!r}")
+        if self.dynamic_lora_loading_path is not None:
+            check_location(self.dynamic_lora_loading_path, "dynamic_lora_loading_path")
         return self
 
 

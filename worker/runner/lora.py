@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from worker.lora_adapter import ATTACHABLE, LoRAAdapter, LoRAAdapterError, read_adapter
+from worker.lora_fetch import adapter_folder
 
 logger = logging.getLogger("raydecode")
 
@@ -217,7 +218,7 @@ class LoRAManager:
             self.loaded.move_to_end(spec.id)
             return have
         try:
-            weights = read_adapter(spec.path, self.max_rank, self.targets, self.dtype, self.device)
+            weights = read_adapter(adapter_folder(spec.path, spec.id), self.max_rank, self.targets, self.dtype, self.device)
         except (LoRAAdapterError, OSError) as exc:
             raise RuntimeError(f"LoRA adapter {spec.name!r} (id {spec.id}) failed to load: {exc}") from None
         self.num_loads += 1
