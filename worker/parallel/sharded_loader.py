@@ -59,6 +59,7 @@ from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, embedding_s
 from worker.quant.weight import QuantizedWeight
 from worker.runner.experts import hold_experts, is_stacked_experts, unstack_experts
 from worker.runner.families import causal_lm_class, parallel_families
+from worker.runner.lora import adaptable_linears
 from worker.runner.model_loader import (
     LoadedModel,
     ModelLoadError,
@@ -369,6 +370,32 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
                 raise ModelLoadError(f"{name}: {source} has shape {tuple(tensor.shape)}, the shard needs {tuple(param.shape)}")
             param.copy_(tensor)
     return vocab
+
+
+def whole_model_lora_targets(model: str | None, trust_remote_code: bool = False,
+                             quantization: str | None = None) -> dict[str, list[int]]:
+    """The adaptable linears of the whole model (``adaptable_linears``), from its config
+    on the meta device (no weights): what a pipeline stage checks adapters against, and
+    reports to the driver, though it holds some of the layers only."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    _, _, _, config = load_config(model, trust_remote_code, quantization)
+    with torch.device("meta"), no_init_weights():
+        whole = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return adaptable_linears(whole)
+
+
+def stage_module_name(layout: RankLayout, name: str) -> str | None:
+    """A pipeline stage's name of the whole model's module ``name`` (its layers count
+    from 0), or None for a module of another stage's layers."""
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    index = int(match.group(1))
+    if index not in layout.layers:
+        return None
+    return f"model.layers.{index - layout.first_layer}.{match.group(2)}"
 
 
 def check_model_parallel(model: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,

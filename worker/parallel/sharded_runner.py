@@ -21,11 +21,12 @@ from sampler.logits_processor.interface import LogitsProcessorError
 from worker.config import WorkerConfig
 from worker.parallel.group import ParallelGroup, install_tensor_parallel_hooks
 from worker.parallel.layout import RankLayout
-from worker.parallel.sharded_loader import load_model_shard
+from worker.parallel.sharded_loader import load_model_shard, stage_module_name, whole_model_lora_targets
 from worker.protocol import GroupRank, RowError, StepReply, StepRequest, StepTimings
 from worker.runner.attention import plan_in_effect, register_paged_attention
 from worker.runner.attention_plan import AttentionPlan
 from worker.runner.backend import ChooseBackend, reference_backend
+from worker.runner.lora import LoRAManager
 from worker.runner.model_loader import LoadedModel
 from worker.runner.model_runner import ModelRunner
 
@@ -58,6 +59,17 @@ class ShardedModelRunner(ModelRunner):
         )
         return self._checked(loaded)
 
+    def _lora_manager(self, config: WorkerConfig) -> LoRAManager:
+        """A pipeline stage's adapters: checked against the whole model's linears, each
+        stage loading the weights of its own layers (tensor parallelism is refused
+        with adapters at config time)."""
+        layout = self.layout
+        assert layout is not None and layout.tp_size == 1
+        targets = whole_model_lora_targets(config.model, config.trust_remote_code, config.quantization)
+        return LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                           self.loaded.dtype, self.device, targets=targets,
+                           local_name=lambda name: stage_module_name(layout, name))
+
     def _join_group(self) -> None:
         """The group's collectives (after the load: a rank that fails to load leaves
         the others waiting here at most ``timeout_s``)."""
@@ -87,7 +99,7 @@ class ShardedModelRunner(ModelRunner):
     def _collective_seconds(self) -> float:
         return self.group.take_seconds()
 
-    def _forward(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor | None:
+    def _run_layers(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor | None:
         return self._forward_shard(input_ids, plan, keep)
 
     def _sample(

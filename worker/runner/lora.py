@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -176,8 +176,17 @@ class LoRAManager:
     """The worker's adapters: loaded on a row's first use, kept by id (LRU past
     ``max_cpu_loras``), and the current step's ``StepLoRA`` (``active``)."""
 
-    def __init__(self, model: nn.Module, max_rank: int, max_loaded: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.targets = adaptable_linears(model)
+    def __init__(self, model: nn.Module, max_rank: int, max_loaded: int, dtype: torch.dtype, device: torch.device,
+                 targets: dict[str, list[int]] | None = None, local_name: Callable[[str], str | None] | None = None
+                 ) -> None:
+        """``targets``: the whole model's adaptable linears, what adapters are checked
+        against (default: ``model``'s own); ``local_name``: a pipeline stage's name of
+        a whole-model module (None: a module of another stage, whose weights this
+        stage does not load)."""
+        #: the linears this worker's model holds, by its own names (the hooks' places)
+        self.local_targets = adaptable_linears(model)
+        self.targets = targets if targets is not None else self.local_targets
+        self.local_name = local_name
         self.max_rank = max_rank
         self.max_loaded = max_loaded
         self.dtype, self.device = dtype, device
@@ -193,8 +202,8 @@ class LoRAManager:
         adaptable linear (adding the step's products to its output), a backend's own
         decoder (``decoder.lora``) where it runs the layers itself."""
         for name, module in model.named_modules():
-            if name in self.targets:
-                module.register_forward_hook(self._hook(name, self.targets[name][1]))
+            if name in self.local_targets:
+                module.register_forward_hook(self._hook(name, self.local_targets[name][1]))
         if decoder is not None:
             if not hasattr(decoder, "lora"):
                 raise LoRAAdapterError(f"enable_lora: the {type(decoder).__name__} path runs no adapters")
@@ -221,6 +230,8 @@ class LoRAManager:
             weights = read_adapter(adapter_folder(spec.path, spec.id), self.max_rank, self.targets, self.dtype, self.device)
         except (LoRAAdapterError, OSError) as exc:
             raise RuntimeError(f"LoRA adapter {spec.name!r} (id {spec.id}) failed to load: {exc}") from None
+        if self.local_name is not None:  # a pipeline stage: its own layers' weights, by its names
+            weights = {local: pair for name, pair in weights.items() if (local := self.local_name(name)) is not None}
         self.num_loads += 1
         loaded = LoadedAdapter(spec, weights)
         self.loaded[spec.id] = loaded

@@ -97,8 +97,7 @@ class ModelRunner:
         # A self draft copies the target's weights before its backend repacks them.
         self_copy = self_draft_copy(config, self.loaded) if self.spec is not None and self.spec.self_draft else None
         # Adapters attach by module name, read before a backend packs or merges the linears.
-        self.lora = (LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
-                                 self.loaded.dtype, self.device) if config.enable_lora else None)
+        self.lora = self._lora_manager(config) if config.enable_lora else None
         self.backend = choose_backend(self.model, self.device, config, self.group)
         if self.lora is not None:
             self.lora.attach(self.model, self.backend.decoder)
@@ -154,6 +153,10 @@ class ModelRunner:
 
     def _join_group(self) -> None:
         """A rank's runner joins its group's collectives here, after the load."""
+
+    def _lora_manager(self, config: WorkerConfig) -> LoRAManager:
+        return LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                           self.loaded.dtype, self.device)
 
     def _allocate_kv_pool(self, config: WorkerConfig) -> PagedKVCache:
         """The KV pool, sized from what memory is left after the model (and logged); a
@@ -380,12 +383,16 @@ class ModelRunner:
         tokens ``input_ids`` (at the plan's positions); None on a rank of a group that
         does not hold them."""
         if self.lora is None:
-            return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
+            return self._run_layers(input_ids, plan, keep)
         self.lora.begin([r.lora for r in self.batch.requests[: self.batch.batch_size]], plan.host_token_rows)
         try:
-            return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
+            return self._run_layers(input_ids, plan, keep)
         finally:
             self.lora.end()
+
+    def _run_layers(self, input_ids: torch.Tensor, plan: AttentionPlan, keep: torch.Tensor) -> torch.Tensor | None:
+        """The model's part of ``_forward`` (a pipeline stage's: its layers)."""
+        return forward_logits(self.model, self.backend.decoder, input_ids, plan, keep)
 
     def _propose_drafts(self, rows: np.ndarray, count: np.ndarray, samples: np.ndarray) -> np.ndarray:
         """Drafts (n-gram or a draft model's) for decoding rows, written past each row's
