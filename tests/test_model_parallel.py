@@ -390,35 +390,39 @@ def test_a_split_model_answers_as_one_worker(ray_local, tiny_model_path, workloa
     assert 0 < stats.collective < stats.forward + stats.sample
 
 
-def test_lora_adapters_through_a_pipeline(ray_local, tiny_model_path, tmp_path):
-    """Pipeline parallelism with ``enable_lora``: rows of two adapters (q/v; all seven
-    linears with rsLoRA, both reaching every layer, so both stages) and of the base
-    model share the pipeline's steps; each row's greedy tokens equal transformers +
-    PEFT's for its adapter (a stage that skipped its layers' weights would not), and
-    the stages checked the adapters against the whole model's linears."""
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 1, 2), ("llama", 2, 1), ("phi3", 2, 1)])
+def test_lora_adapters_through_a_group(ray_local, tiny_model_path, tmp_path, arch, tp, pp):
+    """``enable_lora`` on a split model: rows of two adapters (attention only; every
+    linear with rsLoRA, Phi-3's fused qkv_proj and gate_up_proj whole) and of the base
+    model share the group's steps. Across stages each holds its layers' weights, across
+    tensor ranks its cut (B's rows of a column-parallel projection, A's columns of a
+    row-parallel one, whose partial products join the all-reduce); each row's greedy
+    tokens equal transformers + PEFT's for its adapter, and the driver checks adapters
+    against the whole model's linears."""
     from transformers import AutoConfig
 
     from cluster import LoRARequest
     from lora_adapters import ALL_SEVEN, ATTENTION, make_adapter, peft_model
 
-    folders = {"qv": make_adapter(tiny_model_path, tmp_path / "qv", ATTENTION, r=8, alpha=16, seed=61),
-               "all": make_adapter(tiny_model_path, tmp_path / "all", ALL_SEVEN, r=4, alpha=8, seed=62,
-                                   use_rslora=True)}
-    names = [None, "qv", "all"] * 2
+    path = tiny_model_path if arch == "llama" else str(build_tiny_model(tmp_path / arch, arch=arch))
+    every = ALL_SEVEN if arch == "llama" else ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    attention = ATTENTION if arch == "llama" else ["qkv_proj", "o_proj"]
+    folders = {"attn": make_adapter(path, tmp_path / "attn", attention, r=8, alpha=16, seed=61),
+               "all": make_adapter(path, tmp_path / "all", every, r=4, alpha=8, seed=62, use_rslora=True)}
+    names = [None, "attn", "all"] * 2
     ps = prompts(VOCAB, [5, 23, 40, 9, 17, 31], seed=63)
     loras = [None if n is None else LoRARequest(n, 1 + (n == "all"), folders[n]) for n in names]
-    llm = LLM(tiny_model_path, pipeline_parallel_size=2, enable_lora=True, max_loras=2, **ENGINE)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_lora=True, max_loras=2, **ENGINE)
     try:
-        assert len(llm.engine.workers[0].ranks) == 2
+        assert len(llm.engine.workers[0].ranks) == tp * pp
         outs = llm.generate(ps, GREEDY.clone(logprobs=None, max_tokens=12), lora_request=loras, use_tqdm=False)
-        targets = llm.engine.input_processor.loras.targets
-        layers = {int(name.split(".")[2]) for name in targets}
-        assert layers == set(range(AutoConfig.from_pretrained(tiny_model_path).num_hidden_layers))
+        layers = {int(name.split(".")[2]) for name in llm.engine.input_processor.loras.targets}
+        assert layers == set(range(AutoConfig.from_pretrained(path).num_hidden_layers))
     finally:
         llm.shutdown()
-    base = peft_model(tiny_model_path, None)
+    base = peft_model(path, None)
     for p, name, o in zip(ps, names, outs):
-        ref = base if name is None else peft_model(tiny_model_path, folders[name])
+        ref = base if name is None else peft_model(path, folders[name])
         ours = list(o.outputs[0].token_ids)
         assert_greedy_equal(ref, p, ours, generate(ref, p, 12))
         if name is not None:

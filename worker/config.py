@@ -239,9 +239,6 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
         if self.max_cpu_loras is not None:
             require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})",
                     self.max_cpu_loras)
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora: adapters do not run under tensor_parallel_size > 1 yet (pipeline "
-                             "parallelism alone runs them: each stage its own layers' adapter weights)")
         spec = self.speculative
         if spec is not None and spec.is_draft_model and self.group_size > 1:
             raise ValueError("speculative_config: a draft model runs in a single-rank worker only, not with "

@@ -59,7 +59,7 @@ from worker.quant.linear import QuantizedEmbedding, QuantizedLinear, embedding_s
 from worker.quant.weight import QuantizedWeight
 from worker.runner.experts import hold_experts, is_stacked_experts, unstack_experts
 from worker.runner.families import causal_lm_class, parallel_families
-from worker.runner.lora import adaptable_linears
+from worker.runner.lora import Localize, adaptable_linears
 from worker.runner.model_loader import (
     LoadedModel,
     ModelLoadError,
@@ -114,6 +114,10 @@ def local_config(config: Any, layout: RankLayout) -> Any:
     return local
 
 
+#: the projections whose input is cut across tensor ranks (their outputs all-reduced)
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
 def shard_slice(key: str, layout: RankLayout, head_dim: int, shape: ModelShape | None = None,
                 model_type: str | None = None) -> tuple[str, Callable[[Any], torch.Tensor] | None]:
     """For a key of the rank's model: the checkpoint key it comes from and how to cut
@@ -157,7 +161,7 @@ def shard_slice(key: str, layout: RankLayout, head_dim: int, shape: ModelShape |
         return source, lambda t: t[k0:k1]
     if leaf in ("gate_proj", "up_proj"):
         return source, lambda t: t[i0:i1]
-    if leaf in ("o_proj", "down_proj"):
+    if leaf in ROW_PARALLEL:
         if kind == "bias":
             return source, (None if layout.tp_rank == 0 else (lambda t: torch.zeros_like(t[:])))
         c0, c1 = (q0, q1) if leaf == "o_proj" else (i0, i1)
@@ -372,20 +376,6 @@ def _load_tensors(hf_model: nn.Module, reader: CheckpointReader, layout: RankLay
     return vocab
 
 
-def whole_model_lora_targets(model: str | None, trust_remote_code: bool = False,
-                             quantization: str | None = None) -> dict[str, list[int]]:
-    """The adaptable linears of the whole model (``adaptable_linears``), from its config
-    on the meta device (no weights): what a pipeline stage checks adapters against, and
-    reports to the driver, though it holds some of the layers only."""
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    _, _, _, config = load_config(model, trust_remote_code, quantization)
-    with torch.device("meta"), no_init_weights():
-        whole = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return adaptable_linears(whole)
-
-
 def stage_module_name(layout: RankLayout, name: str) -> str | None:
     """A pipeline stage's name of the whole model's module ``name`` (its layers count
     from 0), or None for a module of another stage's layers."""
@@ -396,6 +386,39 @@ def stage_module_name(layout: RankLayout, name: str) -> str | None:
     if index not in layout.layers:
         return None
     return f"model.layers.{index - layout.first_layer}.{match.group(2)}"
+
+
+def lora_sharding(model: str | None, layout: RankLayout, trust_remote_code: bool = False,
+                  quantization: str | None = None) -> tuple[dict[str, list[int]], Localize]:
+    """What a rank of a group needs to run LoRA adapters: the whole model's adaptable
+    linears (``adaptable_linears`` of its config on the meta device, no weights: what
+    adapters are checked against and the driver is told), and the rank's cut of each
+    module's (A, B). A later stage's layers count from 0 (``stage_module_name``);
+    across tensor ranks an adapter is cut as its linear is (``shard_slice``): B by the
+    output rows of a column-parallel projection (q, k, v, gate, up, fused qkv and
+    gate_up), A by the input columns of a row-parallel one (o, down), whose partial
+    products then join the base output's all-reduce (``B (sum_i A_i x_i)`` is
+    ``B (A x)``), so adapters cost no collective of their own."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    _, _, _, config = load_config(model, trust_remote_code, quantization)
+    with torch.device("meta"), no_init_weights():
+        whole = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    shape, model_type = ModelShape.of(config), getattr(config, "model_type", None)
+
+    def localize(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        local = stage_module_name(layout, name)
+        if local is None or layout.tp_size == 1:
+            return None if local is None else (local, a, b)
+        _, cut = shard_slice(f"{local}.weight", layout, shape.head_dim, shape, model_type)
+        if cut is None:
+            return local, a, b
+        if local.rsplit(".", 1)[-1] in ROW_PARALLEL:
+            return local, cut(a), b
+        return local, a, cut(b)
+
+    return adaptable_linears(whole), localize
 
 
 def check_model_parallel(model: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,

@@ -21,7 +21,7 @@ from sampler.logits_processor.interface import LogitsProcessorError
 from worker.config import WorkerConfig
 from worker.parallel.group import ParallelGroup, install_tensor_parallel_hooks
 from worker.parallel.layout import RankLayout
-from worker.parallel.sharded_loader import load_model_shard, stage_module_name, whole_model_lora_targets
+from worker.parallel.sharded_loader import load_model_shard, lora_sharding
 from worker.protocol import GroupRank, RowError, StepReply, StepRequest, StepTimings
 from worker.runner.attention import plan_in_effect, register_paged_attention
 from worker.runner.attention_plan import AttentionPlan
@@ -60,15 +60,12 @@ class ShardedModelRunner(ModelRunner):
         return self._checked(loaded)
 
     def _lora_manager(self, config: WorkerConfig) -> LoRAManager:
-        """A pipeline stage's adapters: checked against the whole model's linears, each
-        stage loading the weights of its own layers (tensor parallelism is refused
-        with adapters at config time)."""
-        layout = self.layout
-        assert layout is not None and layout.tp_size == 1
-        targets = whole_model_lora_targets(config.model, config.trust_remote_code, config.quantization)
+        """A rank's adapters: checked against the whole model's linears, each rank
+        loading its cut of its own layers' weights (``lora_sharding``)."""
+        assert self.layout is not None
+        targets, localize = lora_sharding(config.model, self.layout, config.trust_remote_code, config.quantization)
         return LoRAManager(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
-                           self.loaded.dtype, self.device, targets=targets,
-                           local_name=lambda name: stage_module_name(layout, name))
+                           self.loaded.dtype, self.device, targets=targets, localize=localize)
 
     def _join_group(self) -> None:
         """The group's collectives (after the load: a rank that fails to load leaves

@@ -33,6 +33,9 @@ logger = logging.getLogger("raydecode")
 
 #: sets of a step's adapters whose stacked weights are kept (steady batches reuse them)
 MAX_STACKED_SETS = 4
+#: a rank's part of a whole-model module's adapter: (name, A, B) -> (its own name, its
+#: cut of A, of B), or None where another rank holds the module
+Localize = Callable[[str, torch.Tensor, torch.Tensor], "tuple[str, torch.Tensor, torch.Tensor] | None"]
 #: a group of projections that read one input: (module name, output index, first
 #: column, width) per projection, ``output index`` into the outputs the caller passes
 Parts = tuple[tuple[str, int, int, int], ...]
@@ -177,16 +180,15 @@ class LoRAManager:
     ``max_cpu_loras``), and the current step's ``StepLoRA`` (``active``)."""
 
     def __init__(self, model: nn.Module, max_rank: int, max_loaded: int, dtype: torch.dtype, device: torch.device,
-                 targets: dict[str, list[int]] | None = None, local_name: Callable[[str], str | None] | None = None
-                 ) -> None:
+                 targets: dict[str, list[int]] | None = None, localize: Localize | None = None) -> None:
         """``targets``: the whole model's adaptable linears, what adapters are checked
-        against (default: ``model``'s own); ``local_name``: a pipeline stage's name of
-        a whole-model module (None: a module of another stage, whose weights this
-        stage does not load)."""
+        against (default: ``model``'s own); ``localize``: a rank of a model-parallel
+        group's part of a whole-model module's (A, B): its own name for the module and
+        the cut of A or B it holds, or None for a module of another stage."""
         #: the linears this worker's model holds, by its own names (the hooks' places)
         self.local_targets = adaptable_linears(model)
         self.targets = targets if targets is not None else self.local_targets
-        self.local_name = local_name
+        self.localize = localize
         self.max_rank = max_rank
         self.max_loaded = max_loaded
         self.dtype, self.device = dtype, device
@@ -230,8 +232,8 @@ class LoRAManager:
             weights = read_adapter(adapter_folder(spec.path, spec.id), self.max_rank, self.targets, self.dtype, self.device)
         except (LoRAAdapterError, OSError) as exc:
             raise RuntimeError(f"LoRA adapter {spec.name!r} (id {spec.id}) failed to load: {exc}") from None
-        if self.local_name is not None:  # a pipeline stage: its own layers' weights, by its names
-            weights = {local: pair for name, pair in weights.items() if (local := self.local_name(name)) is not None}
+        if self.localize is not None:  # a rank of a group: its layers' weights, its cut, by its names
+            weights = self._localized(weights)
         self.num_loads += 1
         loaded = LoadedAdapter(spec, weights)
         self.loaded[spec.id] = loaded
@@ -241,6 +243,22 @@ class LoRAManager:
         self._stacks = OrderedDict((k, v) for k, v in self._stacks.items() if spec.id not in k)
         logger.info("LoRA adapter %r (id %d) loaded from %s", spec.name, spec.id, spec.path)
         return loaded
+
+    def _localized(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        assert self.localize is not None
+        out = {}
+        for name, (a, b) in weights.items():
+            part = self.localize(name, a, b)
+            if part is None:
+                continue
+            local, a, b = part
+            want = self.local_targets.get(local)
+            if want is None or [a.shape[1], b.shape[0]] != want:
+                raise LoRAAdapterError(f"{name}: its cut {list(a.shape)} / {list(b.shape)} does not fit this rank's "
+                                       f"{local} ({want})")
+            out[local] = (a.contiguous(), b.contiguous())
+        return out
 
     def begin(self, specs: list[LoRAAdapter | None], token_rows: np.ndarray) -> StepLoRA | None:
         """Sets ``active`` for a step whose packed tokens belong to ``token_rows`` (rows of
