@@ -128,7 +128,7 @@ def test_two_replicas_give_every_row_what_llm_generate_gives_though_one_is_kille
     rows = run(chat_model, 800, on_progress=kill_one, batch_size=16)
     assert killed, "the run ended before a replica was killed"
     counts = Counter(r["id"] for r in rows)
-    assert len(counts) == 400 and set(counts.values()) == {1}, "every id exactly once"
+    assert len(counts) == 800 and set(counts.values()) == {1}, "every id exactly once"
     mismatched = [r["id"] for r in rows if list(r["tokens"]) != expected[r["id"]]]
     assert mismatched == [], f"{len(mismatched)} rows differ from LLM.generate, e.g. {mismatched[:5]}"
     assert all(r["n"] == len(r["tokens"]) and r["finish"] == "length" for r in rows)
