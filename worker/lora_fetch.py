@@ -22,9 +22,12 @@ import shutil
 import tempfile
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from worker.lora_adapter import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, LoRAAdapterError
+
+T = TypeVar("T")
 
 #: the URI schemes an adapter may come from (pyarrow's filesystems)
 SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")
@@ -115,29 +118,31 @@ def _fetch(uri: str, into: str) -> None:
         _copy(filesystem, source, os.path.join(into, name), limit, f"{uri.rstrip('/')}/{name}")
 
 
-def _info(filesystem: Any, path: str, uri: str) -> Any:
+def _tried(call: Callable[[], T], failure: str) -> T:
+    """``call()``, tried ``TRIES`` times over storage errors (``OSError``) with a backoff;
+    the last error as a ``LoRAAdapterError`` saying ``failure``."""
     for attempt in range(TRIES):
         try:
-            return filesystem.get_file_info(path)
+            return call()
         except OSError as exc:
             if attempt == TRIES - 1:
-                raise LoRAAdapterError(f"lora_path {uri!r} cannot be read: {exc}") from None
+                raise LoRAAdapterError(f"{failure}: {exc}") from None
             time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
 
 
+def _info(filesystem: Any, path: str, uri: str) -> Any:
+    return _tried(lambda: filesystem.get_file_info(path), f"lora_path {uri!r} cannot be read")
+
+
 def _copy(filesystem: Any, source: str, target: str, limit: int, name: str) -> None:
-    for attempt in range(TRIES):
-        try:
-            copied = 0
-            with filesystem.open_input_stream(source) as src, open(target, "wb") as dst:
-                while chunk := src.read(1 << 22):
-                    copied += len(chunk)
-                    if copied > limit:
-                        raise LoRAAdapterError(f"{name}: over {limit} bytes")
-                    dst.write(chunk)
-            return
-        except OSError as exc:
-            if attempt == TRIES - 1:
-                raise LoRAAdapterError(f"{name} could not be copied: {exc}") from None
-            time.sleep(0.5 * 2**attempt)
+    def copy() -> None:
+        copied = 0
+        with filesystem.open_input_stream(source) as src, open(target, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                copied += len(chunk)
+                if copied > limit:
+                    raise LoRAAdapterError(f"{name}: over {limit} bytes")
+                dst.write(chunk)
+
+    _tried(copy, f"{name} could not be copied")
